@@ -1,0 +1,1 @@
+"""Triton kernels for asyncllm, each with a plain-torch reference beside it."""

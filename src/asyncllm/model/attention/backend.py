@@ -1,0 +1,118 @@
+"""The attention backend interface: KV cache layout, per-step metadata, forward.
+
+A step's tokens form one flat batch of query chunks, one per sequence: a decode is a
+chunk of one token, a prefill chunk may follow tokens already in the cache. The
+model runner describes the batch once per step in `CommonAttentionMetadata`; each
+backend's builder turns that into whatever its kernels want, shared by all layers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """One step's batch, as every backend needs it.
+
+    query_start_loc: [num_seqs + 1] offsets of each sequence's chunk in the flat batch.
+    seq_lens: [num_seqs] tokens in the cache after this step (context + chunk).
+    block_table: [num_seqs, max_blocks] KV block ids per sequence (padding is ignored).
+    slot_mapping: [num_tokens] cache slot (block * block_size + offset) of each new
+        token; a negative slot means "do not write" (padding).
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc_cpu: np.ndarray
+    seq_lens_cpu: np.ndarray
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @classmethod
+    def from_lists(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str,
+    ) -> CommonAttentionMetadata:
+        """Builds the metadata from plain lists (tests, simple runners)."""
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+            raise ValueError("query_lens, seq_lens and block_tables differ in length")
+        qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=qsl[1:])
+        sl = np.asarray(seq_lens, dtype=np.int32)
+        width = max((len(b) for b in block_tables), default=0) or 1
+        bt = np.zeros((len(block_tables), width), dtype=np.int32)
+        slots = []
+        for i, (blocks, q, s) in enumerate(zip(block_tables, query_lens, seq_lens)):
+            if s > len(blocks) * block_size or q > s:
+                raise ValueError(f"sequence {i}: {s} tokens do not fit {len(blocks)} blocks")
+            bt[i, : len(blocks)] = blocks
+            pos = np.arange(s - q, s)
+            slots.append(bt[i, pos // block_size].astype(np.int64) * block_size + pos % block_size)
+        slot_mapping = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
+        return cls(
+            query_start_loc=torch.from_numpy(qsl).to(device),
+            seq_lens=torch.from_numpy(sl).to(device),
+            block_table=torch.from_numpy(bt).to(device),
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=sl,
+            num_actual_tokens=int(qsl[-1]),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+        )
+
+
+@dataclass
+class AttentionLayerSpec:
+    """What a backend needs to know about one attention layer."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+
+    @staticmethod
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """(2, num_blocks, block_size, num_kv_heads, head_size): K then V."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @abstractmethod
+    def build_metadata(self, common: CommonAttentionMetadata, block_size: int) -> Any:
+        """Once per step; the result is passed to every layer's `forward`."""
+
+    @abstractmethod
+    def forward(
+        self,
+        spec: AttentionLayerSpec,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+    ) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D]. Writes k/v into the cache, returns [T, Hq, D]."""

@@ -1,0 +1,120 @@
+"""Paged attention in plain PyTorch: runs on any device, and is the reference.
+
+Per step, the builder turns the batch into padded gathers shared by every layer:
+each sequence's keys are gathered from its blocks into [num_seqs, max_seq_len], its
+queries into [num_seqs, max_query_len], with one boolean mask covering causality
+within the chunk, each sequence's length and the optional sliding window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from asyncllm.model.attention.backend import (
+    AttentionBackend,
+    AttentionLayerSpec,
+    CommonAttentionMetadata,
+)
+
+
+@dataclass
+class TorchNativeMetadata:
+    slot_mapping: torch.Tensor  # [T] only the slots to write (negative ones removed)
+    write_rows: torch.Tensor  # [T'] rows of k/v that go to `slot_mapping`
+    key_slots: torch.Tensor  # [S, Lk] cache slot of each key position (0 for padding)
+    query_rows: torch.Tensor  # [T] row of each token in the padded [S * Lq] queries
+    query_pos: torch.Tensor  # [S, Lq] absolute position of each padded query
+    key_pos: torch.Tensor  # [Lk]
+    seq_lens: torch.Tensor  # [S]
+    num_seqs: int
+    max_query_len: int
+
+
+class TorchNativeBackend(AttentionBackend):
+    name = "torch_native"
+
+    def build_metadata(self, common: CommonAttentionMetadata, block_size: int) -> TorchNativeMetadata:
+        device = common.block_table.device
+        S, Lq, Lk = common.num_seqs, max(common.max_query_len, 1), max(common.max_seq_len, 1)
+        qsl = common.query_start_loc.long()
+        seq_lens = common.seq_lens.long()
+        query_lens = qsl[1:] - qsl[:-1]
+        n = common.num_actual_tokens
+        token_seq = torch.repeat_interleave(torch.arange(S, device=device), query_lens)
+        token_off = torch.arange(n, device=device) - qsl[:-1][token_seq]
+        query_rows = token_seq * Lq + token_off
+
+        key_pos = torch.arange(Lk, device=device)
+        blocks = common.block_table.long()
+        n_blocks = -(-Lk // block_size)
+        if blocks.shape[1] < n_blocks:
+            blocks = F.pad(blocks, (0, n_blocks - blocks.shape[1]))
+        key_slots = blocks[:, key_pos // block_size] * block_size + key_pos % block_size
+        key_slots = key_slots.masked_fill(key_pos[None, :] >= seq_lens[:, None], 0)
+
+        context = seq_lens - query_lens
+        query_pos = context[:, None] + torch.arange(Lq, device=device)[None, :]
+        slots = common.slot_mapping[:n].long()
+        valid = slots >= 0
+        write_rows = torch.nonzero(valid).flatten()
+        return TorchNativeMetadata(
+            slot_mapping=slots[write_rows],
+            write_rows=write_rows,
+            key_slots=key_slots,
+            query_rows=query_rows,
+            query_pos=query_pos,
+            key_pos=key_pos,
+            seq_lens=seq_lens,
+            num_seqs=S,
+            max_query_len=Lq,
+        )
+
+    @staticmethod
+    def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: TorchNativeMetadata) -> None:
+        k_flat = kv_cache[0].view(-1, *kv_cache.shape[-2:])
+        v_flat = kv_cache[1].view(-1, *kv_cache.shape[-2:])
+        k_flat.index_copy_(0, md.slot_mapping, k.index_select(0, md.write_rows).to(kv_cache.dtype))
+        v_flat.index_copy_(0, md.slot_mapping, v.index_select(0, md.write_rows).to(kv_cache.dtype))
+
+    def forward(
+        self,
+        spec: AttentionLayerSpec,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TorchNativeMetadata,
+    ) -> torch.Tensor:
+        md = metadata
+        T = md.query_rows.shape[0]
+        self.write_kv(k[:T], v[:T], kv_cache, md)
+        S, Lq, Hq, Hkv, D = md.num_seqs, md.max_query_len, spec.num_heads, spec.num_kv_heads, spec.head_size
+        qp = q.new_zeros(S * Lq, Hq, D)
+        qp.index_copy_(0, md.query_rows, q[:T])
+        qp = qp.view(S, Lq, Hq, D).transpose(1, 2)  # [S, Hq, Lq, D]
+        kv_shape = kv_cache.shape[-2:]
+        keys = kv_cache[0].view(-1, *kv_shape)[md.key_slots].to(q.dtype)  # [S, Lk, Hkv, D]
+        vals = kv_cache[1].view(-1, *kv_shape)[md.key_slots].to(q.dtype)
+        keys = keys.transpose(1, 2).repeat_interleave(Hq // Hkv, dim=1)  # [S, Hq, Lk, D]
+        vals = vals.transpose(1, 2).repeat_interleave(Hq // Hkv, dim=1)
+
+        kp, qpos = md.key_pos[None, None, :], md.query_pos[:, :, None]
+        mask = (kp <= qpos) & (kp < md.seq_lens[:, None, None])
+        if spec.sliding_window is not None:
+            mask &= kp > qpos - spec.sliding_window
+        mask[:, :, 0] |= ~mask.any(dim=-1)  # padded query rows: keep softmax finite
+        mask = mask[:, None]  # [S, 1, Lq, Lk]
+
+        if spec.logits_soft_cap is None:
+            out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=mask, scale=spec.scale)
+        else:
+            scores = torch.matmul(qp, keys.transpose(-1, -2)).float() * spec.scale
+            cap = spec.logits_soft_cap
+            scores = torch.tanh(scores / cap) * cap
+            scores = scores.masked_fill(~mask, float("-inf"))
+            out = torch.matmul(scores.softmax(dim=-1).to(vals.dtype), vals)
+        out = out.transpose(1, 2).reshape(S * Lq, Hq, D)
+        return out.index_select(0, md.query_rows)

@@ -1,0 +1,174 @@
+"""Linear layers written for tensor-parallel sharding.
+
+Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that
+copies the rank's slice of a full checkpoint tensor into it, so checkpoints stream
+straight into sharded parameters. At tensor-parallel size 1 the slice is the whole.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncllm.distributed.parallel_state import get_tp_group
+
+
+def _divide(a: int, b: int, what: str) -> int:
+    if a % b:
+        raise ValueError(f"{what} ({a}) is not divisible by the tensor-parallel size ({b})")
+    return a // b
+
+
+def _check_shape(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(
+            f"weight {name!r} has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}"
+        )
+
+
+def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    return p
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        self.tp = get_tp_group()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = _param((output_size, input_size), self.weight_loader)
+        self.bias = _param((output_size,), self.weight_loader) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _check_shape(param, loaded, getattr(param, "checkpoint_name", "?"))
+        param.data.copy_(loaded)
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank."""
+
+
+class ColumnParallelLinear(LinearBase):
+    """Y = X A with A split along its output dimension; each rank holds a slice of Y."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False
+    ) -> None:
+        tp = get_tp_group()
+        self.full_output_size = output_size
+        super().__init__(input_size, _divide(output_size, tp.world_size, "output size"), bias)
+        self.gather_output = gather_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return self.tp.all_gather_last_dim(y) if self.gather_output else y
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size = param.shape[0]
+        if loaded.shape[0] != size * self.tp.world_size:
+            _check_shape(param, loaded, getattr(param, "checkpoint_name", "?"))
+        shard = loaded.narrow(0, self.tp.rank * size, size)
+        _check_shape(param, shard, getattr(param, "checkpoint_name", "?"))
+        param.data.copy_(shard)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs (e.g. gate and up) stored in one weight.
+
+    `shard_id` is the index of the checkpoint tensor among `output_sizes`.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:
+            return super().weight_loader(param, loaded)
+        tp = self.tp
+        sizes = [_divide(s, tp.world_size, "merged output size") for s in self.output_sizes]
+        offset, size = sum(sizes[:shard_id]), sizes[shard_id]
+        name = getattr(param, "checkpoint_name", "?")
+        expected = (self.output_sizes[shard_id], *param.shape[1:])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"weight {name!r} has shape {tuple(loaded.shape)}, expected {expected}")
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, tp.rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Query, key and value projections in one weight, sharded by attention head.
+
+    With fewer KV heads than ranks, KV heads are replicated so each rank has one.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+    ) -> None:
+        tp = get_tp_group()
+        self.head_size = head_size
+        self.total_num_heads = num_heads
+        self.total_num_kv_heads = num_kv_heads
+        self.num_heads = _divide(num_heads, tp.world_size, "number of attention heads")
+        if num_kv_heads >= tp.world_size:
+            self.num_kv_heads = _divide(num_kv_heads, tp.world_size, "number of KV heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = _divide(tp.world_size, num_kv_heads, "tensor-parallel size")
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp.world_size
+        super().__init__(hidden_size, out, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:
+            raise ValueError("QKVParallelLinear loads q, k and v separately")
+        tp, d = self.tp, self.head_size
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        if shard_id == "q":
+            offset, size, total, rank = 0, q_size, self.total_num_heads * d, tp.rank
+        elif shard_id in ("k", "v"):
+            offset = q_size + (0 if shard_id == "k" else kv_size)
+            size, total = kv_size, self.total_num_kv_heads * d
+            rank = tp.rank // self.kv_replicas
+        else:
+            raise ValueError(f"unknown QKV shard {shard_id!r}")
+        name = getattr(param, "checkpoint_name", "?")
+        expected = (total, *param.shape[1:])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"weight {name!r} has shape {tuple(loaded.shape)}, expected {expected}")
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Y = X A with A split along its input dimension; partial sums are all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        tp = get_tp_group()
+        super().__init__(_divide(input_size, tp.world_size, "input size"), output_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = self.tp.all_reduce(y)
+        return y + self.bias if self.bias is not None else y
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        name = getattr(param, "checkpoint_name", "?")
+        if param.dim() == 1:  # bias: replicated
+            _check_shape(param, loaded, name)
+            param.data.copy_(loaded)
+            return
+        size = param.shape[1]
+        expected = (param.shape[0], size * self.tp.world_size)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"weight {name!r} has shape {tuple(loaded.shape)}, expected {expected}")
+        param.data.copy_(loaded.narrow(1, self.tp.rank * size, size))

@@ -1,0 +1,170 @@
+"""Rotary position embedding with the scaling kinds the supported models use.
+
+The cos/sin table is computed once for every position up to the model's limit, so a
+step only gathers rows by position (no per-step recomputation, graph friendly).
+Kinds: default, linear, dynamic (NTK-aware, fixed at the scaled maximum length),
+llama3 and yarn. Layouts: NeoX (rotate halves) and GPT-J (rotate interleaved pairs).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def base_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    return 1.0 / (base**exponents)
+
+
+def llama3_inv_freq(base: float, rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by `factor`, blend between."""
+    inv_freq = base_inv_freq(base, rotary_dim)
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+def dynamic_ntk_base(base: float, rotary_dim: int, factor: float, max_position: int, seq_len: int) -> float:
+    """NTK-aware base for a sequence of `seq_len` tokens (no change up to `max_position`)."""
+    seq_len = max(seq_len, max_position)
+    return base * ((factor * seq_len / max_position) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_inv_freq(
+    base: float, rotary_dim: int, params: dict[str, Any], max_position: int
+) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, extrapolate high ones, ramp between.
+
+    Returns the inverse frequencies and the factor that scales cos and sin.
+    """
+    orig = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_position / orig
+    attn = params.get("attention_factor")
+    if attn is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attn = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv_freq, float(attn)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position: int,
+        inv_freq: torch.Tensor,
+        attention_scaling: float = 1.0,
+        is_neox_style: bool = True,
+    ) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        self.max_position = max_position
+        self.is_neox_style = is_neox_style
+        with torch.device("cpu"):
+            t = torch.arange(max_position, dtype=torch.float32)
+            freqs = torch.outer(t, inv_freq.float().cpu())
+            cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scaling
+        # Kept in float32 whatever the model dtype; rows are cast when gathered.
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        if self.is_neox_style:
+            x1, x2 = rot.chunk(2, dim=-1)
+            out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq * D] or [T, Hq, D]; k likewise. Returns rotated copies, same shapes."""
+        cos, sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype).chunk(2, dim=-1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q_shape, k_shape = q.shape, k.shape
+        q = self._rotate(q.view(q.shape[0], -1, self.head_size), cos, sin)
+        k = self._rotate(k.view(k.shape[0], -1, self.head_size), cos, sin)
+        return q.reshape(q_shape), k.reshape(k_shape)
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The config's RoPE settings in one dict (`rope_parameters`, or older `rope_scaling` + `rope_theta`)."""
+    params = getattr(config, "rope_parameters", None)
+    if params and "rope_theta" in params:
+        params = dict(params)
+    else:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return params
+
+
+def get_rope(
+    head_size: int,
+    max_position: int,
+    params: dict[str, Any],
+    is_neox_style: bool = True,
+) -> RotaryEmbedding:
+    """The rotary embedding for a config's parameters; tables are computed on the CPU."""
+    with torch.device("cpu"):
+        return _build_rope(head_size, max_position, params, is_neox_style)
+
+
+def _build_rope(head_size: int, max_position: int, params: dict[str, Any], is_neox_style: bool) -> RotaryEmbedding:
+    base = float(params["rope_theta"])
+    rotary_dim = int(head_size * params.get("partial_rotary_factor", 1.0))
+    kind = params.get("rope_type", "default")
+    scaling = 1.0
+    if kind == "default":
+        inv_freq = base_inv_freq(base, rotary_dim)
+    elif kind == "linear":
+        inv_freq = base_inv_freq(base, rotary_dim) / params["factor"]
+    elif kind == "dynamic":
+        factor = params["factor"]
+        longest = int(max_position * factor)
+        inv_freq = base_inv_freq(
+            dynamic_ntk_base(base, rotary_dim, factor, max_position, longest), rotary_dim
+        )
+        max_position = longest
+    elif kind == "llama3":
+        inv_freq = llama3_inv_freq(base, rotary_dim, params)
+    elif kind == "yarn":
+        inv_freq, scaling = yarn_inv_freq(base, rotary_dim, params, max_position)
+        orig = params["original_max_position_embeddings"]
+        max_position = max(max_position, int(orig * (params.get("factor") or 1)))
+    else:
+        raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, dynamic, llama3, yarn)")
+    return RotaryEmbedding(head_size, rotary_dim, max_position, inv_freq, scaling, is_neox_style)

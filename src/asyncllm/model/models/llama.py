@@ -1,0 +1,210 @@
+"""The Llama family: Llama 2/3/3.1 (SmolLM), Mistral, Qwen2 (QKV bias), Qwen3 (q/k norm).
+
+One implementation; the differences are switches read from the config. The model
+takes a flat batch of tokens (all sequences' chunks back to back) with their
+positions, writes K/V into the paged cache and attends through the backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncllm.model.attention.backend import AttentionBackend, AttentionLayerSpec
+from asyncllm.model.layers.activation import SiluAndMul
+from asyncllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from asyncllm.model.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from asyncllm.model.layers.norm import RMSNorm
+from asyncllm.model.layers.rotary import get_rope, rope_parameters
+
+
+def _sliding_window(config: Any, layer: int) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return window if layer_types[layer] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer: int, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.layer = layer
+        self.backend = backend
+        total_heads = config.num_attention_heads
+        total_kv = getattr(config, "num_key_value_heads", None) or total_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, total_heads, total_kv, bias=qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.o_proj = RowParallelLinear(total_heads * head_dim, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = get_rope(head_dim, config.max_position_embeddings, rope_parameters(config))
+        self.spec = AttentionLayerSpec(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_size=head_dim,
+            scale=head_dim**-0.5,
+            sliding_window=_sliding_window(config, layer),
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        T = x.shape[0]
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.backend.forward(self.spec, q, k, v, kv_cache, attn_metadata)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any):
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer: int, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer, backend, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, residual, kv_cache, attn_metadata):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, attn_metadata)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, backend, qkv_bias, qk_norm) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv_cache, attn_metadata)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our parameter fragment, shard id)
+    stacked_params = (
+        (".q_proj.", ".qkv_proj.", "q"),
+        (".k_proj.", ".qkv_proj.", "k"),
+        (".v_proj.", ".qkv_proj.", "v"),
+        (".gate_proj.", ".gate_up_proj.", 0),
+        (".up_proj.", ".gate_up_proj.", 1),
+    )
+    qkv_bias_default = False
+    qk_norm = False
+
+    def __init__(self, config: Any, backend: AttentionBackend):
+        super().__init__()
+        self.config = config
+        qkv_bias = bool(getattr(config, "attention_bias", False)) or self.qkv_bias_default
+        self.model = LlamaModel(config, backend, qkv_bias, self.qk_norm)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+        for name, p in self.named_parameters():
+            p.checkpoint_name = name
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn_metadata: Any) -> torch.Tensor:
+        """Hidden states [T, hidden] for a flat batch of T tokens."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Streams checkpoint tensors into parameters; returns the parameters loaded.
+
+        Unknown names and wrong shapes raise ValueError naming the tensor.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for ckpt_name, tensor in weights:
+            if "rotary_emb.inv_freq" in ckpt_name:
+                continue
+            if self.tie_word_embeddings and ckpt_name == "lm_head.weight":
+                continue
+            for frag, ours, shard in self.stacked_params:
+                if frag in ckpt_name:
+                    name = ckpt_name.replace(frag, ours)
+                    break
+            else:
+                name, shard = ckpt_name, None
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint has weight {ckpt_name!r}, which {type(self).__name__} does not have")
+            param.checkpoint_name = ckpt_name
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ValueError(f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            elif shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+            loaded.add(name)
+        return loaded
+
+    def expected_parameters(self) -> set[str]:
+        return set(dict(self.named_parameters()).keys())
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias_default = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,97 @@
+"""Shared helpers for model tests: batched greedy decoding and the tie rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from asyncllm.model.paged_decoder import PagedDecoder
+
+TIE_TOLERANCE = 1e-3
+
+
+def greedy_batch(
+    decoder: PagedDecoder, prompts: list[list[int]], max_tokens: int, chunk_size: int | None = None
+) -> list[list[int]]:
+    """Greedy continuations with all sequences in one batch per step.
+
+    With `chunk_size`, prompts are prefilled in chunks while other sequences already
+    decode, so steps mix prefill chunks and decodes.
+    """
+    sids = [decoder.add_sequence() for _ in prompts]
+    fed = [0] * len(prompts)
+    outs: list[list[int]] = [[] for _ in prompts]
+    try:
+        while any(len(o) < max_tokens for o in outs):
+            chunks = {}
+            for i, sid in enumerate(sids):
+                if fed[i] < len(prompts[i]):
+                    end = len(prompts[i]) if chunk_size is None else fed[i] + chunk_size
+                    chunks[sid] = prompts[i][fed[i] : end]
+                elif len(outs[i]) < max_tokens:
+                    chunks[sid] = [outs[i][-1]]
+            logits = decoder.step(chunks)
+            for i, sid in enumerate(sids):
+                if sid not in chunks:
+                    continue
+                if fed[i] < len(prompts[i]):
+                    fed[i] += len(chunks[sid])
+                    if fed[i] < len(prompts[i]):
+                        continue
+                if len(outs[i]) < max_tokens:
+                    outs[i].append(int(logits[sid][-1].argmax()))
+    finally:
+        for sid in sids:
+            decoder.free(sid)
+    return outs
+
+
+@dataclass
+class GreedyComparison:
+    equal: bool
+    divergence: int | None  # first index that differs
+    gap: float | None  # reference's top-2 logit gap there
+
+    @property
+    def acceptable(self) -> bool:
+        return self.equal or (self.gap is not None and self.gap < TIE_TOLERANCE)
+
+
+def compare_greedy(ours: list[int], ref: list[int], ref_logits: torch.Tensor) -> GreedyComparison:
+    """DESIGN.md's tie rule: a divergence counts only where the reference's two best
+    logits are within 1e-3; everything before it must match.
+
+    ref_logits: [len(ref), vocab] the reference's logits for each generated token.
+    """
+    n = min(len(ours), len(ref))
+    for i in range(n):
+        if ours[i] != ref[i]:
+            top2 = ref_logits[i].float().topk(2).values
+            return GreedyComparison(False, i, float(top2[0] - top2[1]))
+    if len(ours) != len(ref):
+        return GreedyComparison(False, n, None)
+    return GreedyComparison(True, None, None)
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy generate with EOS disabled: tokens and their logits."""
+    # None counts as "unset" in generate(), which then falls back to the model's own
+    # generation config: EOS is switched off there, for the duration of the call.
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt], device=model.device),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+    finally:
+        model.generation_config.eos_token_id = saved
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    return tokens, torch.cat(out.logits, dim=0).float().cpu()
