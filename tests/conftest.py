@@ -53,3 +53,77 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# --- SmolLM2: our model (paged, torch-native) and the reference ---------------------
+# The reference is transformers reading the GGUF file itself, never our converted copy.
+LONG_TEXT = (
+    "The history of computing is a story of abstraction. Early machines were programmed by "
+    "rewiring panels; then came stored programs, assemblers, compilers and operating systems. "
+    "Each layer hid the one beneath it and let people think about larger problems. Networks "
+    "joined the machines together, and the web turned them into a library for everyone. "
+    "Today language models read and write text, translate between languages, answer questions "
+    "and write code. Serving them efficiently means batching many requests, caching the "
+    "attention keys and values of every token in fixed-size blocks, reusing shared prefixes, "
+    "and keeping the accelerator busy while the host prepares the next step. "
+)
+
+
+@pytest.fixture(scope="session")
+def smollm_config():
+    from asyncllm.config import EngineArgs
+
+    return EngineArgs(device="cpu").create_model_config()
+
+
+@pytest.fixture(scope="session")
+def smollm_model(smollm_config):
+    from asyncllm.model.attention.torch_native import TorchNativeBackend
+    from asyncllm.model.loader import load_model
+
+    return load_model(smollm_config, TorchNativeBackend())
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(smollm_config):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm_config.path))
+
+
+@pytest.fixture(scope="session")
+def hf_smollm():
+    from transformers import AutoModelForCausalLM
+
+    from asyncllm.model.source import embedded_gguf_path
+
+    path = embedded_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm_prompts(smollm_tokenizer) -> list[list[int]]:
+    """Nine prompts of 1 to 300 tokens: plain text, a chat turn, long context."""
+    tok = smollm_tokenizer
+    long_ids = tok(LONG_TEXT * 4).input_ids
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "Give me three tips for writing clear Python code."}],
+        add_generation_prompt=True,
+        tokenize=True,
+    )
+    if not isinstance(chat, list):
+        chat = chat["input_ids"]
+    prompts = [
+        tok("Hello").input_ids[:1],
+        tok("The capital of France is").input_ids,
+        tok("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n").input_ids,
+        list(chat),
+        tok("Once upon a time, in a small village by the sea, there lived").input_ids,
+        long_ids[:77],
+        long_ids[:150],
+        long_ids[:231],
+        long_ids[:300],
+    ]
+    assert len(prompts[0]) == 1 and len(prompts[-1]) == 300
+    return prompts
