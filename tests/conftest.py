@@ -98,7 +98,9 @@ def hf_smollm():
     from asyncllm.model.source import embedded_gguf_path
 
     path = embedded_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -117,7 +119,7 @@ def smollm_prompts(smollm_tokenizer) -> list[list[int]]:
     prompts = [
         tok("Hello").input_ids[:1],
         tok("The capital of France is").input_ids,
-        tok("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n").input_ids,
+        tok('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n').input_ids,
         list(chat),
         tok("Once upon a time, in a small village by the sea, there lived").input_ids,
         long_ids[:77],

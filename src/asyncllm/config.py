@@ -104,14 +104,22 @@ class EngineArgs:
             not isinstance(self.max_model_len, int) or self.max_model_len < 1
         ):
             raise ValueError(f"max_model_len must be a positive int, got {self.max_model_len!r}")
-        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if (
+            not isinstance(self.block_size, int)
+            or self.block_size < 1
+            or self.block_size & (self.block_size - 1)
+        ):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {self.load_format!r} is not one of {LOAD_FORMATS}")
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of 'auto', {', '.join(map(repr, _DTYPES))}")
+            raise ValueError(
+                f"dtype {self.dtype!r} is not one of 'auto', {', '.join(map(repr, _DTYPES))}"
+            )
         if not isinstance(self.device, str | torch.device):
-            raise TypeError(f"device must be a str or torch.device, got {type(self.device).__name__}")
+            raise TypeError(
+                f"device must be a str or torch.device, got {type(self.device).__name__}"
+            )
 
     @classmethod
     def field_names(cls) -> set[str]:

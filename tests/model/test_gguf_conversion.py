@@ -34,24 +34,43 @@ def test_config_tokenizer_and_chat_template(smollm_config, hf_smollm, smollm_tok
     from transformers import AutoTokenizer
 
     ours, ref = smollm_config.hf_config, hf_smollm.config
-    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "vocab_size", "max_position_embeddings", "tie_word_embeddings"):
+    for field in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+    ):
         assert getattr(ours, field) == getattr(ref, field), field
     assert ours.rms_norm_eps == pytest.approx(ref.rms_norm_eps)
     assert ours.architectures == ["LlamaForCausalLM"]
     gguf = source.embedded_gguf_path()
     ref_tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    for text in ("Hello, world!", "日本語のテキストと絵文字 🎉🚀", "  spaces\n\ttabs", "<|im_start|>user"):
+    for text in (
+        "Hello, world!",
+        "日本語のテキストと絵文字 🎉🚀",
+        "  spaces\n\ttabs",
+        "<|im_start|>user",
+    ):
         assert smollm_tokenizer(text).input_ids == ref_tok(text).input_ids
     messages = [{"role": "user", "content": "Hi"}]
-    text = smollm_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = smollm_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
     assert "<|im_start|>user\nHi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
     assert (smollm_config.path / "generation_config.json").is_file()
 
 
 def _gguf_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """What the GGUF writer does to q/k rows (interleave each head's two halves)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 @settings(max_examples=25, deadline=None)
@@ -62,23 +81,42 @@ def test_unpermute_inverts_the_gguf_permutation(n_head, half, cols):
 
 
 def test_two_processes_converting_at_once_both_get_a_complete_model(tmp_path, smollm_config):
-    env = {**os.environ, "ASYNCLLM_CACHE": str(tmp_path), "PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'kernels'}"}
+    env = {
+        **os.environ,
+        "ASYNCLLM_CACHE": str(tmp_path),
+        "PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'kernels'}",
+    }
     code = "from asyncllm.model.source import embedded_model_path; print(embedded_model_path())"
     procs = [
-        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(2)
     ]
     outs = [p.communicate(timeout=240) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
     paths = {out.strip().splitlines()[-1] for out, _ in outs}
     assert len(paths) == 1
     folder = Path(paths.pop())
     assert folder.parent == tmp_path / "models"
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [folder.name]  # no temp left
-    expected = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+    expected = {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    }
     assert expected <= {p.name for p in folder.iterdir()}
-    ours, shared = load_file(str(folder / "model.safetensors")), load_file(str(smollm_config.path / "model.safetensors"))
+    ours, shared = (
+        load_file(str(folder / "model.safetensors")),
+        load_file(str(smollm_config.path / "model.safetensors")),
+    )
     assert set(ours) == set(shared) and all(torch.equal(ours[k], shared[k]) for k in ours)
 
 

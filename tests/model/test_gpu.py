@@ -59,7 +59,9 @@ def test_smollm_bfloat16_on_cuda():
     cfg = EngineArgs(device="cuda").create_model_config()
     assert cfg.dtype == torch.bfloat16
     ours = load_model(cfg, TorchNativeBackend())
-    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     ref = ref.cuda().eval()
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (5, 60, 250)]

@@ -87,7 +87,9 @@ def test_dtype_is_applied(tmp_path):
 
 def test_auto_dtype_is_float32_on_cpu(tmp_path):
     make_tiny_model("llama3", tmp_path)
-    assert EngineArgs(model=str(tmp_path), device="cpu").create_model_config().dtype == torch.float32
+    assert (
+        EngineArgs(model=str(tmp_path), device="cpu").create_model_config().dtype == torch.float32
+    )
 
 
 def test_missing_folder_is_named(tmp_path):
@@ -125,7 +127,9 @@ def test_missing_and_unexpected_weights_are_named(tmp_path):
     state = load_file(str(tmp_path / "model.safetensors"))
     del state["model.layers.0.post_attention_layernorm.weight"]
     save_file(state, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"lacks weights: model\.layers\.0\.post_attention_layernorm"):
+    with pytest.raises(
+        ValueError, match=r"lacks weights: model\.layers\.0\.post_attention_layernorm"
+    ):
         _load(tmp_path)
     state["model.layers.0.post_attention_layernorm.weight"] = torch.ones(64)
     state["model.layers.0.self_attn.extra.weight"] = torch.ones(3)

@@ -124,7 +124,10 @@ def test_backend_against_plain_attention(group, window, soft_cap):
     be = TorchNativeBackend()
     cache = torch.zeros(be.kv_cache_shape(32, bs, Hkv, D))
     seqs = [(1, 40), (17, 17), (9, 70), (1, 1)]  # (query len, total len)
-    full = [(torch.randn(n, Hkv, D, generator=gen), torch.randn(n, Hkv, D, generator=gen)) for _, n in seqs]
+    full = [
+        (torch.randn(n, Hkv, D, generator=gen), torch.randn(n, Hkv, D, generator=gen))
+        for _, n in seqs
+    ]
     perm = torch.randperm(32, generator=gen).tolist()  # scattered blocks
     tables, used = [], 0
     for _, n in seqs:
@@ -134,12 +137,18 @@ def test_backend_against_plain_attention(group, window, soft_cap):
     # Earlier tokens are already cached: write them with a first "prefill" step.
     ctx = [n - q for q, n in seqs]
     pre = [(c, c, t) for c, t in zip(ctx, tables) if c > 0]
-    md0 = CommonAttentionMetadata.from_lists([p[0] for p in pre], [p[1] for p in pre], [p[2] for p in pre], bs, "cpu")
+    md0 = CommonAttentionMetadata.from_lists(
+        [p[0] for p in pre], [p[1] for p in pre], [p[2] for p in pre], bs, "cpu"
+    )
     k0 = torch.cat([full[i][0][:c] for i, c in enumerate(ctx) if c > 0])
     v0 = torch.cat([full[i][1][:c] for i, c in enumerate(ctx) if c > 0])
-    be.forward(spec, torch.zeros(len(k0), spec.num_heads, D), k0, v0, cache, be.build_metadata(md0, bs))
+    be.forward(
+        spec, torch.zeros(len(k0), spec.num_heads, D), k0, v0, cache, be.build_metadata(md0, bs)
+    )
 
-    md = CommonAttentionMetadata.from_lists([q for q, _ in seqs], [n for _, n in seqs], tables, bs, "cpu")
+    md = CommonAttentionMetadata.from_lists(
+        [q for q, _ in seqs], [n for _, n in seqs], tables, bs, "cpu"
+    )
     qs = [torch.randn(q, spec.num_heads, D, generator=gen) for q, _ in seqs]
     k1 = torch.cat([full[i][0][c:] for i, c in enumerate(ctx)])
     v1 = torch.cat([full[i][1][c:] for i, c in enumerate(ctx)])
@@ -156,6 +165,13 @@ def test_negative_slots_are_not_written():
     md = CommonAttentionMetadata.from_lists([2], [2], [[1]], 16, "cpu")
     md.slot_mapping[1] = -1
     k = torch.ones(2, 1, 8)
-    be.forward(AttentionLayerSpec(1, 1, 8, 1.0), torch.ones(2, 1, 8), k, k, cache, be.build_metadata(md, 16))
+    be.forward(
+        AttentionLayerSpec(1, 1, 8, 1.0),
+        torch.ones(2, 1, 8),
+        k,
+        k,
+        cache,
+        be.build_metadata(md, 16),
+    )
     assert cache[0, 1, 0].eq(1).all() and cache[0, 1, 1].eq(0).all()
     assert cache.sum() == 2 * 8

@@ -15,7 +15,12 @@ HEAD, MAXPOS = 64, 2048
 
 
 def _hf_inv_freq(rope: dict, seq_len=None, max_pos=MAXPOS):
-    cfg = LlamaConfig(hidden_size=HEAD * 4, num_attention_heads=4, max_position_embeddings=max_pos, rope_parameters=rope)
+    cfg = LlamaConfig(
+        hidden_size=HEAD * 4,
+        num_attention_heads=4,
+        max_position_embeddings=max_pos,
+        rope_parameters=rope,
+    )
     if rope["rope_type"] == "default":  # transformers inlines it in each model
         theta = rope["rope_theta"]
         return 1.0 / theta ** (torch.arange(0, HEAD, 2, dtype=torch.int64).float() / HEAD), 1.0
@@ -35,9 +40,20 @@ def _table_inv_freq(emb):
     [
         {"rope_type": "default", "rope_theta": 10000.0},
         {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-        {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-         "high_freq_factor": 4.0, "original_max_position_embeddings": 512},
-        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
+        },
+        {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 512,
+        },
     ],
     ids=lambda r: r["rope_type"],
 )
@@ -61,7 +77,9 @@ def test_dynamic_ntk_follows_its_formula_at_the_longest_length():
     want = 1.0 / new_base ** (torch.arange(0, dim, 2).double() / dim)
     assert torch.allclose(_table_inv_freq(emb).double(), want, rtol=1e-5, atol=0)
     # transformers computes the same base when it has seen `longest` tokens...
-    hf, _ = _hf_inv_freq({"rope_type": "dynamic", "rope_theta": base, "factor": factor}, seq_len=longest)
+    hf, _ = _hf_inv_freq(
+        {"rope_type": "dynamic", "rope_theta": base, "factor": factor}, seq_len=longest
+    )
     assert torch.allclose(_table_inv_freq(emb), hf, rtol=1e-5)
     # ...and leaves short sequences unscaled, which is why the tables are fixed here.
     assert dynamic_ntk_base(base, dim, factor, MAXPOS, 100) == base
@@ -69,8 +87,16 @@ def test_dynamic_ntk_follows_its_formula_at_the_longest_length():
 
 def test_yarn_follows_its_formula():
     factor, orig, base, dim = 8.0, 512, 10000.0, HEAD
-    emb = get_rope(HEAD, MAXPOS, {"rope_type": "yarn", "rope_theta": base, "factor": factor,
-                                  "original_max_position_embeddings": orig})
+    emb = get_rope(
+        HEAD,
+        MAXPOS,
+        {
+            "rope_type": "yarn",
+            "rope_theta": base,
+            "factor": factor,
+            "original_max_position_embeddings": orig,
+        },
+    )
     assert emb.max_position == max(MAXPOS, orig * int(factor))
     mscale = 0.1 * math.log(factor) + 1.0
     assert math.isclose(float(emb.cos_sin_cache[0, 0]), mscale, rel_tol=1e-6)  # cos(0) * mscale
@@ -99,7 +125,9 @@ def test_neox_and_gptj_layouts_are_the_same_rotation_of_permuted_pairs():
 
 
 def test_partial_rotary_leaves_the_rest_alone():
-    emb = get_rope(HEAD, 64, {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    emb = get_rope(
+        HEAD, 64, {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    )
     x = torch.randn(2, 1, HEAD)
     q, _ = emb(torch.tensor([5, 9]), x, x)
     assert torch.equal(q[..., HEAD // 2 :], x[..., HEAD // 2 :])

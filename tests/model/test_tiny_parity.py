@@ -22,14 +22,21 @@ def tiny_pair(request, tmp_path_factory):
     cfg = EngineArgs(model=str(folder), device="cpu").create_model_config()
     ours = load_model(cfg, TorchNativeBackend())
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, cfg.hf_config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    prompts = [
+        torch.randint(0, cfg.hf_config.vocab_size, (n,), generator=gen).tolist()
+        for n in PROMPT_LENS
+    ]
     return request.param, ref, ours, prompts
 
 
 def test_architecture_is_the_expected_class(tiny_pair):
     arch, _, ours, _ = tiny_pair
-    expected = {"llama3": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+    expected = {
+        "llama3": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+    }[arch]
     assert type(ours).__name__ == expected
     spec = ours.model.layers[0].self_attn.spec
     assert spec.sliding_window == (48 if arch == "mistral" else None)
@@ -45,7 +52,12 @@ def test_prompt_and_decode_logits(tiny_pair):
         ref_logits = ref(torch.tensor([prompt + ref_tokens])).logits[0]
     dec = PagedDecoder(ours, TorchNativeBackend(), num_blocks=32)
     sid = dec.add_sequence()
-    worst = [(dec.step({sid: prompt}, all_logits=True)[sid] - ref_logits[: len(prompt)]).abs().max().item()]
+    worst = [
+        (dec.step({sid: prompt}, all_logits=True)[sid] - ref_logits[: len(prompt)])
+        .abs()
+        .max()
+        .item()
+    ]
     for i, token in enumerate(ref_tokens):
         got = dec.step({sid: [token]})[sid][0]
         worst.append((got - ref_logits[len(prompt) + i]).abs().max().item())
@@ -60,7 +72,9 @@ def test_greedy_matches_generate(tiny_pair):
     for prompt, tokens in zip(prompts, got):
         want, want_logits = hf_greedy(ref, prompt, 32)
         cmp = compare_greedy(tokens, want, want_logits)
-        assert cmp.acceptable, f"{arch}: prompt of {len(prompt)} diverged at {cmp.divergence}, gap {cmp.gap}"
+        assert cmp.acceptable, (
+            f"{arch}: prompt of {len(prompt)} diverged at {cmp.divergence}, gap {cmp.gap}"
+        )
         if not cmp.equal:
             ties.append((len(prompt), cmp.divergence, cmp.gap))
     if ties:

@@ -61,7 +61,11 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **save_kwargs):
     if arch == "qwen2":  # the default init zeroes biases; make them count
         with torch.no_grad():
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
                     proj.bias.normal_(0, 0.5)
     model.eval()
     model.save_pretrained(folder, **save_kwargs)

@@ -92,7 +92,11 @@ def gguf_config(reader: Any) -> dict[str, Any]:
         "attention_bias": False,
         "mlp_bias": False,
     }
-    for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+    for key, name in (
+        ("bos_token_id", "bos"),
+        ("eos_token_id", "eos"),
+        ("pad_token_id", "padding"),
+    ):
         value = _field(reader, f"tokenizer.ggml.{name}_token_id")
         if value is not None:
             cfg[key] = int(value)

@@ -40,7 +40,8 @@ class PagedDecoder:
         self.device, self.dtype = param.device, param.dtype
         shape = backend.kv_cache_shape(num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model.num_layers)
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(model.num_layers)
         ]
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.ref_counts = [0] * num_blocks
@@ -84,7 +85,9 @@ class PagedDecoder:
             seq.blocks.append(b)
 
     @torch.inference_mode()
-    def step(self, chunks: dict[int, list[int]], all_logits: bool = False) -> dict[int, torch.Tensor]:
+    def step(
+        self, chunks: dict[int, list[int]], all_logits: bool = False
+    ) -> dict[int, torch.Tensor]:
         """Runs one flat batch; returns float32 logits per sequence (last token, or all)."""
         ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
         for sid, tokens in chunks.items():
@@ -97,21 +100,32 @@ class PagedDecoder:
             query_lens.append(len(tokens))
             seq_lens.append(seq.num_tokens + len(tokens))
             tables.append(seq.blocks)
-        common = CommonAttentionMetadata.from_lists(query_lens, seq_lens, tables, self.block_size, self.device)
+        common = CommonAttentionMetadata.from_lists(
+            query_lens, seq_lens, tables, self.block_size, self.device
+        )
         md = self.backend.build_metadata(common, self.block_size)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, pos, self.kv_caches, md)
         ends = common.query_start_loc_cpu
+        # One LM-head matmul for every row wanted (the head's weight is read once).
+        if all_logits:
+            rows = torch.arange(len(ids), device=self.device)
+        else:
+            rows = torch.as_tensor(ends[1:] - 1, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
         out = {}
         for i, sid in enumerate(chunks):
-            rows = hidden[ends[i] : ends[i + 1]] if all_logits else hidden[ends[i + 1] - 1 : ends[i + 1]]
-            out[sid] = self.model.compute_logits(rows).float()
+            out[sid] = logits[ends[i] : ends[i + 1]] if all_logits else logits[i : i + 1]
             self.seqs[sid].num_tokens = seq_lens[i]
         return out
 
     def generate_greedy(
-        self, prompt: list[int], max_tokens: int, stop_ids: tuple[int, ...] = (), chunk_size: int | None = None
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        stop_ids: tuple[int, ...] = (),
+        chunk_size: int | None = None,
     ) -> Iterator[int]:
         """Yields greedy tokens one by one; frees the sequence when done or closed."""
         sid = self.add_sequence()

@@ -8,7 +8,6 @@ converted once; anything else is taken as a Hugging Face hub id.
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import re
 from pathlib import Path
 
@@ -77,7 +76,11 @@ def download_from_hub(repo_id: str, revision: str | None = None) -> Path:
     Offline (HF_HUB_OFFLINE=1, or no network) it fails at once with a clear message.
     """
     import huggingface_hub
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
     try:

@@ -31,12 +31,32 @@ class TorchNativeMetadata:
     seq_lens: torch.Tensor  # [S]
     num_seqs: int
     max_query_len: int
+    mask: torch.Tensor  # [S, 1, Lq, Lk] causal within the chunk and inside each sequence
+    windowed_masks: dict[int, torch.Tensor]  # sliding window -> mask, made on first use
+
+    def mask_for(self, sliding_window: int | None) -> torch.Tensor:
+        if sliding_window is None:
+            return self.mask
+        mask = self.windowed_masks.get(sliding_window)
+        if mask is None:
+            qpos, kpos = self.query_pos[:, None, :, None], self.key_pos[None, None, None, :]
+            mask = _keep_rows_finite(self.mask & (kpos > qpos - sliding_window))
+            self.windowed_masks[sliding_window] = mask
+        return mask
+
+
+def _keep_rows_finite(mask: torch.Tensor) -> torch.Tensor:
+    """Padded query rows see nothing; let them see key 0 so softmax stays finite."""
+    mask[..., 0] |= ~mask.any(dim=-1)
+    return mask
 
 
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
 
-    def build_metadata(self, common: CommonAttentionMetadata, block_size: int) -> TorchNativeMetadata:
+    def build_metadata(
+        self, common: CommonAttentionMetadata, block_size: int
+    ) -> TorchNativeMetadata:
         device = common.block_table.device
         S, Lq, Lk = common.num_seqs, max(common.max_query_len, 1), max(common.max_seq_len, 1)
         qsl = common.query_start_loc.long()
@@ -60,6 +80,8 @@ class TorchNativeBackend(AttentionBackend):
         slots = common.slot_mapping[:n].long()
         valid = slots >= 0
         write_rows = torch.nonzero(valid).flatten()
+        kp, qp = key_pos[None, None, :], query_pos[:, :, None]
+        mask = (kp <= qp) & (kp < seq_lens[:, None, None])
         return TorchNativeMetadata(
             slot_mapping=slots[write_rows],
             write_rows=write_rows,
@@ -70,10 +92,14 @@ class TorchNativeBackend(AttentionBackend):
             seq_lens=seq_lens,
             num_seqs=S,
             max_query_len=Lq,
+            mask=_keep_rows_finite(mask[:, None]),
+            windowed_masks={},
         )
 
     @staticmethod
-    def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: TorchNativeMetadata) -> None:
+    def write_kv(
+        k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: TorchNativeMetadata
+    ) -> None:
         k_flat = kv_cache[0].view(-1, *kv_cache.shape[-2:])
         v_flat = kv_cache[1].view(-1, *kv_cache.shape[-2:])
         k_flat.index_copy_(0, md.slot_mapping, k.index_select(0, md.write_rows).to(kv_cache.dtype))
@@ -91,26 +117,29 @@ class TorchNativeBackend(AttentionBackend):
         md = metadata
         T = md.query_rows.shape[0]
         self.write_kv(k[:T], v[:T], kv_cache, md)
-        S, Lq, Hq, Hkv, D = md.num_seqs, md.max_query_len, spec.num_heads, spec.num_kv_heads, spec.head_size
+        S, Lq, Hq, Hkv, D = (
+            md.num_seqs,
+            md.max_query_len,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_size,
+        )
         qp = q.new_zeros(S * Lq, Hq, D)
         qp.index_copy_(0, md.query_rows, q[:T])
         qp = qp.view(S, Lq, Hq, D).transpose(1, 2)  # [S, Hq, Lq, D]
         kv_shape = kv_cache.shape[-2:]
         keys = kv_cache[0].view(-1, *kv_shape)[md.key_slots].to(q.dtype)  # [S, Lk, Hkv, D]
         vals = kv_cache[1].view(-1, *kv_shape)[md.key_slots].to(q.dtype)
-        keys = keys.transpose(1, 2).repeat_interleave(Hq // Hkv, dim=1)  # [S, Hq, Lk, D]
-        vals = vals.transpose(1, 2).repeat_interleave(Hq // Hkv, dim=1)
-
-        kp, qpos = md.key_pos[None, None, :], md.query_pos[:, :, None]
-        mask = (kp <= qpos) & (kp < md.seq_lens[:, None, None])
-        if spec.sliding_window is not None:
-            mask &= kp > qpos - spec.sliding_window
-        mask[:, :, 0] |= ~mask.any(dim=-1)  # padded query rows: keep softmax finite
-        mask = mask[:, None]  # [S, 1, Lq, Lk]
+        keys, vals = keys.transpose(1, 2), vals.transpose(1, 2)  # [S, Hkv, Lk, D]
+        mask = md.mask_for(spec.sliding_window)
 
         if spec.logits_soft_cap is None:
-            out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=mask, scale=spec.scale)
+            out = F.scaled_dot_product_attention(
+                qp, keys, vals, attn_mask=mask, scale=spec.scale, enable_gqa=Hq != Hkv
+            )
         else:
+            keys = keys.repeat_interleave(Hq // Hkv, dim=1)
+            vals = vals.repeat_interleave(Hq // Hkv, dim=1)
             scores = torch.matmul(qp, keys.transpose(-1, -2)).float() * spec.scale
             cap = spec.logits_soft_cap
             scores = torch.tanh(scores / cap) * cap

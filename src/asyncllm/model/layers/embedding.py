@@ -22,16 +22,16 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = -(-num_embeddings // self.tp.world_size)
         self.vocab_start = self.tp.rank * self.shard_size
         self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
-        self.weight = nn.Parameter(
-            torch.empty(self.shard_size, embedding_dim), requires_grad=False
-        )
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         name = getattr(param, "checkpoint_name", "?")
         expected = (self.num_embeddings, param.shape[1])
         if tuple(loaded.shape) != expected:
-            raise ValueError(f"weight {name!r} has shape {tuple(loaded.shape)}, expected {expected}")
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(loaded.shape)}, expected {expected}"
+            )
         rows = self.vocab_end - self.vocab_start
         param.data[:rows].copy_(loaded[self.vocab_start : self.vocab_end])
         param.data[rows:].zero_()

@@ -97,7 +97,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         name = getattr(param, "checkpoint_name", "?")
         expected = (self.output_sizes[shard_id], *param.shape[1:])
         if tuple(loaded.shape) != expected:
-            raise ValueError(f"weight {name!r} has shape {tuple(loaded.shape)}, expected {expected}")
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(loaded.shape)}, expected {expected}"
+            )
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, tp.rank * size, size))
 
 
@@ -145,7 +147,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         name = getattr(param, "checkpoint_name", "?")
         expected = (total, *param.shape[1:])
         if tuple(loaded.shape) != expected:
-            raise ValueError(f"weight {name!r} has shape {tuple(loaded.shape)}, expected {expected}")
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(loaded.shape)}, expected {expected}"
+            )
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
 
 
@@ -170,5 +174,7 @@ class RowParallelLinear(LinearBase):
         size = param.shape[1]
         expected = (param.shape[0], size * self.tp.world_size)
         if tuple(loaded.shape) != expected:
-            raise ValueError(f"weight {name!r} has shape {tuple(loaded.shape)}, expected {expected}")
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(loaded.shape)}, expected {expected}"
+            )
         param.data.copy_(loaded.narrow(1, self.tp.rank * size, size))

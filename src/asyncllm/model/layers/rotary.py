@@ -34,10 +34,14 @@ def llama3_inv_freq(base: float, rotary_dim: int, params: dict[str, Any]) -> tor
     return torch.where(medium, blended, scaled)
 
 
-def dynamic_ntk_base(base: float, rotary_dim: int, factor: float, max_position: int, seq_len: int) -> float:
+def dynamic_ntk_base(
+    base: float, rotary_dim: int, factor: float, max_position: int, seq_len: int
+) -> float:
     """NTK-aware base for a sequence of `seq_len` tokens (no change up to `max_position`)."""
     seq_len = max(seq_len, max_position)
-    return base * ((factor * seq_len / max_position) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+    return base * ((factor * seq_len / max_position) - (factor - 1)) ** (
+        rotary_dim / (rotary_dim - 2)
+    )
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -56,7 +60,11 @@ def yarn_inv_freq(
     attn = params.get("attention_factor")
     if attn is None:
         m, m_all = params.get("mscale"), params.get("mscale_all_dim")
-        attn = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
+        attn = (
+            yarn_mscale(factor, m) / yarn_mscale(factor, m_all)
+            if m and m_all
+            else yarn_mscale(factor)
+        )
     beta_fast = params.get("beta_fast") or 32
     beta_slow = params.get("beta_slow") or 1
 
@@ -143,7 +151,9 @@ def get_rope(
         return _build_rope(head_size, max_position, params, is_neox_style)
 
 
-def _build_rope(head_size: int, max_position: int, params: dict[str, Any], is_neox_style: bool) -> RotaryEmbedding:
+def _build_rope(
+    head_size: int, max_position: int, params: dict[str, Any], is_neox_style: bool
+) -> RotaryEmbedding:
     base = float(params["rope_theta"])
     rotary_dim = int(head_size * params.get("partial_rotary_factor", 1.0))
     kind = params.get("rope_type", "default")
@@ -166,5 +176,7 @@ def _build_rope(head_size: int, max_position: int, params: dict[str, Any], is_ne
         orig = params["original_max_position_embeddings"]
         max_position = max(max_position, int(orig * (params.get("factor") or 1)))
     else:
-        raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, dynamic, llama3, yarn)")
+        raise ValueError(
+            f"unsupported rope_type {kind!r} (supported: default, linear, dynamic, llama3, yarn)"
+        )
     return RotaryEmbedding(head_size, rotary_dim, max_position, inv_freq, scaling, is_neox_style)

@@ -38,21 +38,27 @@ def _sliding_window(config: Any, layer: int) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer: int, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool):
+    def __init__(
+        self, config: Any, layer: int, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool
+    ):
         super().__init__()
         self.layer = layer
         self.backend = backend
         total_heads = config.num_attention_heads
         total_kv = getattr(config, "num_key_value_heads", None) or total_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, total_heads, total_kv, bias=qkv_bias)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim, total_heads, total_kv, bias=qkv_bias
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.o_proj = RowParallelLinear(total_heads * head_dim, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
-        self.rotary_emb = get_rope(head_dim, config.max_position_embeddings, rope_parameters(config))
+        self.rotary_emb = get_rope(
+            head_dim, config.max_position_embeddings, rope_parameters(config)
+        )
         self.spec = AttentionLayerSpec(
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
@@ -61,7 +67,9 @@ class LlamaAttention(nn.Module):
             sliding_window=_sliding_window(config, layer),
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         T = x.shape[0]
@@ -81,7 +89,9 @@ class LlamaMLP(nn.Module):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=bias
+        )
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = SiluAndMul()
 
@@ -90,7 +100,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer: int, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool):
+    def __init__(
+        self, config: Any, layer: int, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool
+    ):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer, backend, qkv_bias, qk_norm)
         self.mlp = LlamaMLP(config)
@@ -113,7 +125,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend, qkv_bias, qk_norm) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, backend, qkv_bias, qk_norm)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -153,7 +166,13 @@ class LlamaForCausalLM(nn.Module):
     def num_layers(self) -> int:
         return len(self.model.layers)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn_metadata: Any) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: Any,
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] for a flat batch of T tokens."""
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
@@ -172,20 +191,19 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and ckpt_name == "lm_head.weight":
                 continue
-            for frag, ours, shard in self.stacked_params:
-                if frag in ckpt_name:
-                    name = ckpt_name.replace(frag, ours)
-                    break
-            else:
-                name, shard = ckpt_name, None
+            name, shard = self._parameter_for(ckpt_name)
             param = params.get(name)
             if param is None:
-                raise ValueError(f"checkpoint has weight {ckpt_name!r}, which {type(self).__name__} does not have")
+                raise ValueError(
+                    f"checkpoint has weight {ckpt_name!r}, which {type(self).__name__} does not have"
+                )
             param.checkpoint_name = ckpt_name
             loader = getattr(param, "weight_loader", None)
             if loader is None:
                 if tuple(param.shape) != tuple(tensor.shape):
-                    raise ValueError(f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                    raise ValueError(
+                        f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                    )
                 param.data.copy_(tensor)
             elif shard is None:
                 loader(param, tensor)
@@ -193,6 +211,13 @@ class LlamaForCausalLM(nn.Module):
                 loader(param, tensor, shard)
             loaded.add(name)
         return loaded
+
+    def _parameter_for(self, ckpt_name: str) -> tuple[str, str | int | None]:
+        """Our parameter name for a checkpoint tensor, and its shard in a merged weight."""
+        for fragment, ours, shard in self.stacked_params:
+            if fragment in ckpt_name:
+                return ckpt_name.replace(fragment, ours), shard
+        return ckpt_name, None
 
     def expected_parameters(self) -> set[str]:
         return set(dict(self.named_parameters()).keys())
