@@ -50,10 +50,6 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
 
-class ReplicatedLinear(LinearBase):
-    """The whole weight on every rank."""
-
-
 class ColumnParallelLinear(LinearBase):
     """Y = X A with A split along its output dimension; each rank holds a slice of Y."""
 
