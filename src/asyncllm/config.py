@@ -9,6 +9,9 @@ from typing import Any
 
 import torch
 
+from asyncllm.core.request_queue import SchedulingPolicy
+from asyncllm.core.scheduler import SchedulerConfig
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -76,18 +79,79 @@ class ModelConfig:
 
 
 @dataclass
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    logits_processors: list[str]
+    skip_tokenizer_init: bool = False
+    enforce_eager: bool = False
+    max_logprobs: int = 20
+
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+@dataclass
 class EngineArgs:
     """Everything a user can set when starting an engine; validated on creation."""
 
     model: str | None = None
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
     dtype: str | torch.dtype = "auto"
     device: str | torch.device = "auto"
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
     load_format: str = "auto"
     revision: str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    logits_processors: list[str] | None = None
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str | os.PathLike):
@@ -98,8 +162,7 @@ class EngineArgs:
                 raise ValueError("model must not be empty (use None for the embedded default)")
         if self.tokenizer is not None and not isinstance(self.tokenizer, str):
             raise TypeError(f"tokenizer must be a str, got {type(self.tokenizer).__name__}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        _check_int("seed", self.seed, -(2**63))
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int) or self.max_model_len < 1
         ):
@@ -120,6 +183,49 @@ class EngineArgs:
             raise TypeError(
                 f"device must be a str or torch.device, got {type(self.device).__name__}"
             )
+        for name in (
+            "skip_tokenizer_init",
+            "enable_prefix_caching",
+            "enable_chunked_prefill",
+            "enforce_eager",
+        ):
+            _check_bool(name, getattr(self, name))
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
+        _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1, optional=True)
+        _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
+        _check_int("max_logprobs", self.max_logprobs, 0)
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        g = self.gpu_memory_utilization
+        if not isinstance(g, int | float) or isinstance(g, bool) or not 0 < g <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "tensor_parallel_size and pipeline_parallel_size above 1 need the multiprocess "
+                "executor, which this version does not have yet"
+            )
+        if self.distributed_executor_backend not in (None, "uni"):
+            raise ValueError(
+                f"distributed_executor_backend {self.distributed_executor_backend!r} is not available "
+                "(this version has 'uni', the in-process executor)"
+            )
+        if self.logits_processors is not None:
+            if not isinstance(self.logits_processors, list | tuple) or not all(
+                isinstance(p, str) for p in self.logits_processors
+            ):
+                raise TypeError("logits_processors must be a list of import-path strings")
+            self.logits_processors = list(self.logits_processors)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens is not None:
+            if self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(
+                    "without chunked prefill, max_num_batched_tokens must be at least max_model_len"
+                )
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -153,4 +259,49 @@ class EngineArgs:
             load_format=self.load_format,
             seed=self.seed,
             tokenizer=self.tokenizer or str(path),
+        )
+
+    def create_engine_config(self) -> EngineConfig:
+        from asyncllm.sample.logits_processor import load_logits_processor_class
+
+        for path in self.logits_processors or []:
+            load_logits_processor_class(path)  # fail here, with the path named
+        model = self.create_model_config()
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = 2048 if self.enable_chunked_prefill else max(2048, model.max_model_len)
+        elif not self.enable_chunked_prefill and batched < model.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({batched}) must be at least "
+                f"max_model_len ({model.max_model_len})"
+            )
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=batched,
+            max_model_len=model.max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            policy=SchedulingPolicy(self.scheduling_policy),
+        )
+        cache = CacheConfig(
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=float(self.gpu_memory_utilization),
+        )
+        parallel = ParallelConfig(
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            self.distributed_executor_backend,
+        )
+        return EngineConfig(
+            model=model,
+            cache=cache,
+            scheduler=scheduler,
+            parallel=parallel,
+            logits_processors=list(self.logits_processors or []),
+            skip_tokenizer_init=self.skip_tokenizer_init,
+            enforce_eager=self.enforce_eager,
+            max_logprobs=self.max_logprobs,
         )

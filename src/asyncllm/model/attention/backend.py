@@ -42,6 +42,36 @@ class CommonAttentionMetadata:
         return len(self.seq_lens_cpu)
 
     @classmethod
+    def from_numpy(
+        cls,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        block_table: np.ndarray,
+        slot_mapping: np.ndarray,
+        device: torch.device | str,
+    ) -> CommonAttentionMetadata:
+        """Copies host arrays to the device (asynchronously from pinned memory on CUDA)."""
+        device = torch.device(device)
+        pin = device.type == "cuda"
+
+        def put(a: np.ndarray) -> torch.Tensor:
+            t = torch.from_numpy(np.ascontiguousarray(a))
+            return t.pin_memory().to(device, non_blocking=True) if pin else t.to(device)
+
+        query_lens = np.diff(query_start_loc)
+        return cls(
+            query_start_loc=put(query_start_loc),
+            seq_lens=put(seq_lens),
+            block_table=put(block_table),
+            slot_mapping=put(slot_mapping),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+            num_actual_tokens=int(query_start_loc[-1]),
+            max_query_len=int(query_lens.max()) if len(query_lens) else 0,
+            max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0,
+        )
+
+    @classmethod
     def from_lists(
         cls,
         query_lens: list[int],
@@ -66,17 +96,7 @@ class CommonAttentionMetadata:
             pos = np.arange(s - q, s)
             slots.append(bt[i, pos // block_size].astype(np.int64) * block_size + pos % block_size)
         slot_mapping = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
-        return cls(
-            query_start_loc=torch.from_numpy(qsl).to(device),
-            seq_lens=torch.from_numpy(sl).to(device),
-            block_table=torch.from_numpy(bt).to(device),
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=sl,
-            num_actual_tokens=int(qsl[-1]),
-            max_query_len=max(query_lens, default=0),
-            max_seq_len=max(seq_lens, default=0),
-        )
+        return cls.from_numpy(qsl, sl, bt, slot_mapping, device)
 
 
 @dataclass

@@ -1,0 +1,151 @@
+"""LLM: offline batch generation. Give it prompts, get back one RequestOutput each."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from asyncllm.config import EngineArgs
+from asyncllm.engine.llm_engine import LLMEngine
+from asyncllm.frontend.input_processor import PromptType
+from asyncllm.outputs import RequestOutput
+from asyncllm.sampling_params import RequestOutputKind, SamplingParams
+
+Messages = list[dict[str, Any]]
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    if isinstance(prompts, list | tuple):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]  # one tokenized prompt
+        return list(prompts)
+    raise TypeError(
+        f"prompts must be a str, a list of token ids, a dict or a list of those, got {type(prompts).__name__}"
+    )
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        unknown = set(engine_args) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`. Every prompt is checked before any runs."""
+        prompt_list = _as_prompt_list(prompts)
+        if isinstance(sampling_params, list | tuple):
+            if len(sampling_params) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params has {len(sampling_params)} entries for {len(prompt_list)} prompts"
+                )
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params] * len(prompt_list)
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
+        ip = self.engine.input_processor
+        checked = []
+        for prompt, params in zip(prompt_list, params_list):
+            params = ip.check_params(params).clone(output_kind=RequestOutputKind.FINAL_ONLY)
+            _, ids = ip.tokenize_prompt(prompt)
+            checked.append((prompt, ids, params))
+        return self._run(checked, priority, use_tqdm)
+
+    def _run(self, checked, priority, use_tqdm: bool) -> list[RequestOutput]:
+        ids = []
+        try:
+            for i, (prompt, prompt_ids, params) in enumerate(checked):
+                rid = self.engine.next_request_id()
+                self.engine.add_request(
+                    rid, prompt, params, priority[i] if priority else 0, prompt_ids
+                )
+                ids.append(rid)
+            results: dict[str, RequestOutput] = {}
+            bar = None
+            if use_tqdm:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(ids), desc="generating", unit="req", dynamic_ncols=True)
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+            if bar is not None:
+                bar.close()
+            return [results[rid] for rid in ids]
+        except BaseException:
+            self.engine.abort_request([rid for rid in ids])
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {'role', 'content'} dicts) or a list of them,
+        through the tokenizer's chat template."""
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("chat needs the tokenizer (skip_tokenizer_init is set)")
+        if isinstance(messages, list | tuple) and messages and isinstance(messages[0], dict):
+            conversations = [messages]
+        else:
+            conversations = list(messages)
+        prompts = []
+        for conv in conversations:
+            if (
+                not isinstance(conv, list | tuple)
+                or not all(isinstance(m, dict) for m in conv)
+                or not conv
+            ):
+                raise TypeError(
+                    "messages must be a non-empty list of {'role': ..., 'content': ...} dicts"
+                )
+            ids = tok.apply_chat_template(
+                list(conv),
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                **(chat_template_kwargs or {}),
+            )
+            if not isinstance(ids, list):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_stats(self) -> dict[str, Any]:
+        stats = self.engine.get_stats()
+        out = {f: getattr(stats, f) for f in stats.__struct_fields__}
+        q = stats.prefix_cache_queries
+        out["prefix_cache_hit_rate"] = stats.prefix_cache_hits / q if q else 0.0
+        return out
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,24 @@
+"""One worker, in the engine core's own process."""
+
+from __future__ import annotations
+
+from asyncllm.config import EngineConfig
+from asyncllm.executor.base import Executor
+from asyncllm.step_io import ModelRunnerOutput, SchedulerOutput
+from asyncllm.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.worker = Worker(config)
+        self.worker.load_model()
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)

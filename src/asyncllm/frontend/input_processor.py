@@ -1,0 +1,125 @@
+"""Turns a user's prompt and sampling params into a validated engine-core request.
+
+Everything that can be wrong with a request is caught here, with an error naming the
+field, before the engine sees it: a bad request never harms the others.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from asyncllm.config import EngineConfig
+from asyncllm.engine.messages import EngineCoreRequest
+from asyncllm.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Any | None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_model_len = config.model.max_model_len
+        self.vocab_size = int(config.model.hf_config.vocab_size)
+        gen_eos = getattr(config.model.hf_config, "eos_token_id", None)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            gen_eos = tokenizer.eos_token_id
+        if isinstance(gen_eos, list):
+            gen_eos = gen_eos[0] if gen_eos else None
+        self.eos_token_id: int | None = gen_eos
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) for any accepted prompt form."""
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                raise ValueError(f"prompt dict has unknown keys {sorted(unknown)}")
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError(
+                    "prompt is text but the tokenizer was skipped (skip_tokenizer_init)"
+                )
+            ids = self.tokenizer(prompt, add_special_tokens=True).input_ids
+            return prompt, self._check_ids(ids)
+        if isinstance(prompt, list | tuple):
+            return None, self._check_ids(prompt)
+        raise TypeError(
+            f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}"
+        )
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, list | tuple):
+            raise TypeError(f"prompt_token_ids must be a list of int, got {type(ids).__name__}")
+        ids = list(ids)
+        if not ids:
+            raise ValueError("prompt must not be empty (no prompt_token_ids)")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise TypeError(f"prompt_token_ids must hold ints, found {type(t).__name__}")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(
+                    f"prompt_token_ids has token id {t}, outside [0, {self.vocab_size})"
+                )
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                "which leaves no room for output"
+            )
+        return ids
+
+    def check_params(self, params: Any) -> SamplingParams:
+        if params is None:
+            return SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and v > self.config.max_logprobs:
+                raise ValueError(
+                    f"{name} is {v}; at most max_logprobs={self.config.max_logprobs} are allowed"
+                )
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"stop_token_ids has token id {t}, outside [0, {self.vocab_size})")
+        for t in params.logit_bias or {}:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"logit_bias has token id {t}, outside [0, {self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the tokenizer (skip_tokenizer_init is set)")
+        return params
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        prompt_ids: list[int] | None = None,
+    ) -> EngineCoreRequest:
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError("request_id must be a non-empty str")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if prompt_ids is None:
+            _, prompt_ids = self.tokenize_prompt(prompt)
+        room = self.max_model_len - len(prompt_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            max_tokens=max_tokens,
+            arrival_time=time.monotonic(),
+            priority=priority,
+        )

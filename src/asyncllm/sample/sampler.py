@@ -1,0 +1,113 @@
+"""Token selection for a batch of requests, on the device, without per-request syncs.
+
+Order: raw logprobs (if asked) from the model's logits; then logit bias, min_tokens
+(EOS and stop tokens masked), repetition / presence / frequency penalties, user
+processors; then greedy argmax, or temperature, min-p, top-k, top-p and a draw.
+Random draws use the exponential-race trick (argmax of p / E with E ~ Exp(1)), one
+row of noise per request: seeded requests draw theirs from their own generator, so
+their tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncllm.sample import ops
+from asyncllm.sample.logits_processor import LogitsProcessor
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor  # [B] float (greedy rows: 1.0, see is_greedy)
+    is_greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None = None  # [B] long, 0 = off
+    top_p: torch.Tensor | None = None  # [B] float
+    min_p: torch.Tensor | None = None  # [B] float
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # batch index -> gen
+    repetition_penalty: torch.Tensor | None = None  # [B]
+    seen_mask: torch.Tensor | None = None  # [B, V] prompt or output token seen
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None  # [B, V]
+    logit_bias: torch.Tensor | None = None  # [B, V] additive
+    blocked_tokens: list[tuple[int, list[int]]] = field(default_factory=list)  # (index, ids)
+    max_num_logprobs: int | None = None
+    rows: list[int] = field(default_factory=list)  # persistent-batch rows, for processors
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] long
+    logprob_token_ids: torch.Tensor | None = None  # [B, 1 + n]: sampled, then top-n
+    logprobs: torch.Tensor | None = None  # [B, 1 + n]
+    ranks: torch.Tensor | None = None  # [B]
+
+
+def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: int):
+    """Column 0: the chosen token's logprob; then the n best; and the chosen one's rank."""
+    chosen_lp = logprobs.gather(-1, chosen.unsqueeze(-1))
+    ranks = (logprobs > chosen_lp).sum(-1) + 1
+    if n > 0:
+        top_lp, top_ids = logprobs.topk(n, dim=-1)
+        ids = torch.cat([chosen.unsqueeze(-1), top_ids], -1)
+        lps = torch.cat([chosen_lp, top_lp], -1)
+    else:
+        ids, lps = chosen.unsqueeze(-1), chosen_lp
+    return ids, lps, ranks
+
+
+class Sampler:
+    def __init__(self, processors: list[LogitsProcessor] | None = None) -> None:
+        self.processors = processors or []
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
+        logits = self.apply_penalties_and_processors(logits, md)
+        greedy = logits.argmax(-1)
+        if md.all_greedy:
+            tokens = greedy
+        else:
+            tokens = torch.where(md.is_greedy, greedy, self.sample_random(logits, md))
+        out = SamplerOutput(token_ids=tokens)
+        if raw_logprobs is not None:
+            out.logprob_token_ids, out.logprobs, out.ranks = gather_logprobs(
+                raw_logprobs, tokens, md.max_num_logprobs
+            )
+        return out
+
+    def apply_penalties_and_processors(
+        self, logits: torch.Tensor, md: SamplingMetadata
+    ) -> torch.Tensor:
+        if md.logit_bias is not None:
+            logits = logits + md.logit_bias
+        for i, ids in md.blocked_tokens:
+            logits[i, ids] = ops.NEG_INF
+        if md.repetition_penalty is not None:
+            logits = ops.apply_repetition_penalty(logits, md.seen_mask, md.repetition_penalty)
+        if md.output_counts is not None:
+            logits = ops.apply_presence_frequency(
+                logits, md.output_counts, md.presence_penalty, md.frequency_penalty
+            )
+        for proc in self.processors:
+            if md.all_greedy and proc.is_argmax_invariant():
+                continue
+            logits = proc.apply(logits, md.rows)
+        return logits
+
+    def sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        logits = logits / md.temperature.unsqueeze(-1)
+        if md.min_p is not None:
+            logits = ops.apply_min_p(logits, md.min_p)
+        if md.top_k is not None:
+            logits = ops.apply_top_k(logits, md.top_k)
+        if md.top_p is not None:
+            logits = ops.apply_top_p(logits, md.top_p)
+        probs = logits.softmax(-1)
+        noise = torch.empty_like(probs).exponential_()
+        for i, gen in md.generators.items():
+            noise[i].exponential_(generator=gen)
+        return probs.div(noise).argmax(-1)

@@ -1,0 +1,67 @@
+"""What crosses between the scheduler and the model runner each step.
+
+A leaf module (no torch, no engine imports) so that both sides, and the wire format,
+can use it without either reaching up the dependency chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or is seeing again after a preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when resumed after a preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens already in the cache (prefix-cache hit)
+    eos_token_id: int | None = None  # masked while fewer than min_tokens are out
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds: only what changed."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]  # request id -> tokens this step, in batch order
+    total_num_scheduled_tokens: int
+    # Requests the runner must forget: finished, aborted or preempted since last step.
+    finished_req_ids: set[str]
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class TokenLogprobs:
+    """Per position: column 0 is the chosen (sampled or prompt) token, then the top-n."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]  # rank of the chosen token (1 = most likely)
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # request id -> tokens sampled this step ([] for a request still in prefill)
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)

@@ -1,0 +1,87 @@
+"""The model runner's persistent per-request state.
+
+Rows are handed out when a request arrives and reused after it leaves; token ids,
+progress and block tables live in preallocated numpy arrays so each step's inputs
+are gathered with vectorised indexing instead of rebuilt from Python lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncllm.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    row: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    eos_token_id: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+        self.requests: dict[str, CachedRequestState] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def add(
+        self, state_args: dict, block_ids: list[int], num_computed_tokens: int
+    ) -> CachedRequestState:
+        if not self._free_rows:
+            raise RuntimeError(
+                f"more than max_num_seqs ({self.max_num_reqs}) requests in the batch"
+            )
+        row = self._free_rows.pop()
+        state = CachedRequestState(row=row, **state_args)
+        tokens = state.prompt_token_ids + state.output_token_ids
+        if len(tokens) > self.max_model_len:
+            raise ValueError(f"request {state.req_id!r} has more than max_model_len tokens")
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_computed_tokens[row] = num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_blocks(row, block_ids)
+        self.requests[state.req_id] = state
+        return state
+
+    def remove(self, req_id: str) -> CachedRequestState | None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self._free_rows.append(state.row)
+        return state
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        n = int(self.num_blocks[row])
+        if n + len(block_ids) > self.block_table.shape[1]:
+            raise RuntimeError("block table overflow: more blocks than max_model_len needs")
+        self.block_table[row, n : n + len(block_ids)] = block_ids
+        self.num_blocks[row] = n + len(block_ids)
+
+    def append_token(self, state: CachedRequestState, token: int) -> None:
+        row = state.row
+        n = int(self.num_tokens[row])
+        if n < self.max_model_len:
+            self.token_ids[row, n] = token
+            self.num_tokens[row] = n + 1
+        state.output_token_ids.append(token)
