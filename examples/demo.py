@@ -1,6 +1,6 @@
-"""Streams a greedy answer from the embedded SmolLM2-135M-Instruct through the paged KV cache.
+"""Answers a few chat questions at once with the embedded SmolLM2-135M-Instruct, through `LLM`.
 
-make demo            # or: python examples/demo.py "your question"
+make demo            # or: python examples/demo.py "your question" "another one"
 """
 
 from __future__ import annotations
@@ -8,53 +8,37 @@ from __future__ import annotations
 import sys
 import time
 
-from transformers import AutoTokenizer
+from asyncllm import LLM, SamplingParams
 
-from asyncllm.config import EngineArgs
-from asyncllm.model.attention.torch_native import TorchNativeBackend
-from asyncllm.model.loader import load_model
-from asyncllm.model.paged_decoder import PagedDecoder
+QUESTIONS = [
+    "What are three good reasons to learn Python? Answer briefly.",
+    "Explain what a KV cache is in one sentence.",
+    "Write a haiku about the sea.",
+]
 
 
 def main() -> None:
-    question = (
-        " ".join(sys.argv[1:]) or "What are three good reasons to learn Python? Answer briefly."
-    )
+    questions = sys.argv[1:] or QUESTIONS
     start = time.perf_counter()
-    config = EngineArgs().create_model_config()  # the embedded default model
-    backend = TorchNativeBackend()
-    model = load_model(config, backend)
-    tokenizer = AutoTokenizer.from_pretrained(str(config.path))
-    print(
-        f"[{config.architecture} from {config.path} on {config.device}, {config.dtype}; "
-        f"ready in {time.perf_counter() - start:.1f} s]\n"
-    )
-    print(f"> {question}\n")
-
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
-    )
-    if not isinstance(prompt, list):
-        prompt = prompt["input_ids"]
-    decoder = PagedDecoder(model, backend, num_blocks=64)
-    tokens: list[int] = []
-    shown = ""
+    llm = LLM()  # no model named: the embedded default
+    print(f"[ready in {time.perf_counter() - start:.1f} s]\n")
+    params = SamplingParams(temperature=0.0, max_tokens=160)
     start = time.perf_counter()
-    for token in decoder.generate_greedy(
-        prompt, max_tokens=200, stop_ids=(tokenizer.eos_token_id,)
-    ):
-        if token == tokenizer.eos_token_id:
-            break
-        tokens.append(token)
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # hold back a partial UTF-8 character
-            print(text[len(shown) :], end="", flush=True)
-            shown = text
+    outputs = llm.chat(
+        [[{"role": "user", "content": q}] for q in questions], params, use_tqdm=False
+    )
     elapsed = time.perf_counter() - start
+    tokens = 0
+    for q, out in zip(questions, outputs):
+        completion = out.outputs[0]
+        tokens += len(completion.token_ids)
+        print(f"> {q}\n{completion.text.strip()}\n[{completion.finish_reason}]\n")
+    stats = llm.get_stats()
     print(
-        f"\n\n[{len(tokens)} tokens in {elapsed:.1f} s, {len(tokens) / elapsed:.1f} tok/s; "
-        f"{decoder.num_free_blocks} of 64 KV blocks free again]"
+        f"[{len(questions)} answers, {tokens} tokens in {elapsed:.1f} s ({tokens / elapsed:.1f} tok/s) "
+        f"in {stats['num_steps']} engine steps; {stats['num_free_blocks']} of {stats['num_blocks']} KV blocks free]"
     )
+    llm.shutdown()
 
 
 if __name__ == "__main__":

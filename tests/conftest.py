@@ -129,3 +129,48 @@ def smollm_prompts(smollm_tokenizer) -> list[list[int]]:
     ]
     assert len(prompts[0]) == 1 and len(prompts[-1]) == 300
     return prompts
+
+
+EXTRA_TEXTS = [
+    "Translate to French: The weather is nice today.",
+    "日本の首都はどこですか？東京について教えてください。",
+    "List the planets of the solar system in order:",
+    "import numpy as np\n\ndef normalize(v):\n",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "🎉 Party time! Here are some ideas for a birthday celebration:",
+    "In 1969, the first humans landed on the Moon. The mission was called",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm_prompts16(smollm_prompts, smollm_tokenizer) -> list[list[int]]:
+    """Sixteen prompts of 1 to 300 tokens: the nine above and seven more (Japanese, emoji, code)."""
+    prompts = list(smollm_prompts) + [smollm_tokenizer(t).input_ids for t in EXTRA_TEXTS]
+    assert len(prompts) == 16 and min(map(len, prompts)) == 1 and max(map(len, prompts)) == 300
+    return prompts
+
+
+@pytest.fixture(scope="session")
+def hf_greedy_cache(hf_smollm):
+    """transformers' greedy continuation (EOS off) per (prompt, max_tokens), computed once."""
+    from tests.model.helpers import hf_greedy
+
+    cache: dict[tuple, tuple[list[int], torch.Tensor]] = {}
+
+    def get(prompt: list[int], max_tokens: int):
+        key = (tuple(prompt), max_tokens)
+        if key not in cache:
+            cache[key] = hf_greedy(hf_smollm, prompt, max_tokens)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The engine with default settings on the CPU, shared by the engine tests."""
+    from asyncllm import LLM
+
+    engine = LLM(device="cpu")
+    yield engine
+    engine.shutdown()

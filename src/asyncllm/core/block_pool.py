@@ -111,6 +111,11 @@ class BlockPool:
                 del self.cached[block.block_hash]
             block.block_hash = None
 
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Forgets these blocks' hashes: their K/V was never written."""
+        for block in blocks:
+            self._evict(block)
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Another request now uses these (cache hits): take them off the free queue."""
         for block in blocks:

@@ -80,6 +80,11 @@ class KVCacheManager:
         return new_blocks
 
     def free(self, request: Request) -> None:
+        # Blocks are cached when allocated, before their step runs. A request freed
+        # before that (a priority victim given tokens earlier in the same step) must
+        # not leave cached blocks past its computed tokens: they hold no K/V.
+        blocks = self.coordinator.get_blocks(request.request_id)
+        self.pool.uncache(blocks[request.num_computed_tokens // self.block_size :])
         self.coordinator.free(request.request_id)
 
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -1,0 +1,38 @@
+"""A user logits processor loaded by import path in the tests."""
+
+from __future__ import annotations
+
+import torch
+
+from asyncllm.sample.logits_processor import LogitsProcessor
+
+
+class ForceToken(LogitsProcessor):
+    """Requests with extra_args={'force_token': t} can only produce token t."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        super().__init__(vocab_size, device)
+        self.forced: dict[int, int] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def add_request(self, row, params, prompt_ids, output_ids) -> None:
+        token = (params.extra_args or {}).get("force_token")
+        if token is not None:
+            self.forced[row] = int(token)
+
+    def remove_request(self, row: int) -> None:
+        self.forced.pop(row, None)
+
+    def apply(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        for i, row in enumerate(rows):
+            if row in self.forced:
+                keep = logits[i, self.forced[row]].clone()
+                logits[i] = float("-inf")
+                logits[i, self.forced[row]] = keep
+        return logits
+
+
+class NotAProcessor:
+    pass
