@@ -46,7 +46,8 @@ def fake_runner(scheduler: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput
 
 
 def build(args: argparse.Namespace) -> Scheduler:
-    max_model_len = args.prompt_len + args.warmup_steps + args.steps + 64
+    timed = args.steps * (2 if args.profile else 1)  # no request may finish while timed
+    max_model_len = args.prompt_len + args.warmup_steps + timed + 64
     blocks_per_request = -(-max_model_len // args.block_size)
     kv = KVCacheManager(
         num_blocks=args.requests * blocks_per_request + 1,  # never preempts
@@ -110,7 +111,10 @@ def timed_steps(scheduler: Scheduler, n: int, n_requests: int) -> tuple[list[flo
         sched_us.append((t1 - t0) / 1e3)
         update_us.append((t3 - t2) / 1e3)
         if out.num_decode_tokens != n_requests or len(outputs) != n_requests:
-            sys.exit(f"a timed step was not {n_requests} decodes: {out.num_scheduled_tokens}")
+            sys.exit(
+                f"a timed step was not {n_requests} decodes: {out.num_decode_tokens} decode "
+                f"and {out.num_prefill_tokens} prefill tokens, {len(outputs)} outputs"
+            )
     return sched_us, update_us
 
 

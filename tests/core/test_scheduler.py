@@ -446,9 +446,7 @@ def test_stop_conditions(
     stop_reason: int | None,
 ) -> None:
     sched = make_scheduler()
-    max_tokens = params.pop("max_tokens")
-    assert isinstance(max_tokens, int)
-    add(sched, "a", 4, max_tokens=max_tokens, eos_token_id=eos, **params)
+    add(sched, "a", 4, eos_token_id=eos, **params)  # type: ignore[arg-type]
     result = run_until_done(sched)["a"]
     assert (result.tokens, result.finish_reason, result.stop_reason) == (
         tokens,

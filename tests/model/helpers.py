@@ -74,7 +74,9 @@ def compare_greedy(ours: list[int], ref: list[int], ref_logits: torch.Tensor) ->
     return GreedyComparison(True, None, None)
 
 
-def assert_greedy_parity(ref, prompts: list[list[int]], ours: list[list[int]], label: str = "") -> None:
+def assert_greedy_parity(
+    ref, prompts: list[list[int]], ours: list[list[int]], label: str = ""
+) -> None:
     """Our continuations against `generate(do_sample=False)` under the tie rule.
 
     `ref` is a transformers model, or a function (prompt, max_tokens) -> (tokens, logits)

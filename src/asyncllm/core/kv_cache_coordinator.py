@@ -32,6 +32,10 @@ class KVCacheCoordinator:
             hits.append(block)
         return hits
 
+    def num_slots(self, request_id: str) -> int:
+        """Tokens the request's blocks can hold."""
+        return len(self.req_to_blocks.get(request_id, ())) * self.block_size
+
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(request_id, [])
 

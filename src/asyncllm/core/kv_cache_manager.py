@@ -65,8 +65,15 @@ class KVCacheManager:
         do not fit, in which case nothing changed."""
         if num_new_tokens <= 0:
             raise ValueError("num_new_tokens must be positive")
-        new_computed_blocks = new_computed_blocks or []
         rid = request.request_id
+        if not new_computed_blocks and not num_new_computed_tokens:
+            # The common decode case: the blocks held already have room.
+            num_tokens = min(request.num_computed_tokens + num_new_tokens, self.max_model_len)
+            if self.coordinator.num_slots(rid) >= num_tokens:
+                if num_tokens // self.block_size > request.num_computed_tokens // self.block_size:
+                    self.coordinator.cache_blocks(request, min(num_tokens, request.num_tokens))
+                return []
+        new_computed_blocks = new_computed_blocks or []
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens = min(num_computed + num_new_tokens, self.max_model_len)
         need = self.coordinator.num_blocks_to_allocate(rid, num_tokens, new_computed_blocks)

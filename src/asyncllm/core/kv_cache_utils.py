@@ -33,6 +33,8 @@ def make_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:
 
     def hasher(request: Request) -> list[BlockHash]:
         start = len(request.block_hashes)
+        if len(request.all_token_ids) < (start + 1) * block_size:
+            return []  # no new full block (most steps)
         parent = request.block_hashes[-1] if start else None
         new = []
         tokens = request.all_token_ids
