@@ -24,7 +24,7 @@ from asyncllm.model.attention.backend import (
 class TorchNativeMetadata:
     slot_mapping: torch.Tensor  # [T] only the slots to write (negative ones removed)
     write_rows: torch.Tensor  # [T'] rows of k/v that go to `slot_mapping`
-    key_slots: torch.Tensor  # [S, Lk] cache slot of each key position (0 for padding)
+    key_blocks: torch.Tensor  # [S, Lk / block_size] block of each key position (0: padding)
     query_rows: torch.Tensor  # [T] row of each token in the padded [S * Lq] queries
     query_pos: torch.Tensor  # [S, Lq] absolute position of each padded query
     key_pos: torch.Tensor  # [Lk]
@@ -58,7 +58,9 @@ class TorchNativeBackend(AttentionBackend):
         self, common: CommonAttentionMetadata, block_size: int
     ) -> TorchNativeMetadata:
         device = common.block_table.device
-        S, Lq, Lk = common.num_seqs, max(common.max_query_len, 1), max(common.max_seq_len, 1)
+        S, Lq = common.num_seqs, max(common.max_query_len, 1)
+        n_blocks = -(-max(common.max_seq_len, 1) // block_size)
+        Lk = n_blocks * block_size  # keys are gathered whole blocks at a time
         qsl = common.query_start_loc.long()
         seq_lens = common.seq_lens.long()
         query_lens = qsl[1:] - qsl[:-1]
@@ -69,11 +71,9 @@ class TorchNativeBackend(AttentionBackend):
 
         key_pos = torch.arange(Lk, device=device)
         blocks = common.block_table.long()
-        n_blocks = -(-Lk // block_size)
         if blocks.shape[1] < n_blocks:
             blocks = F.pad(blocks, (0, n_blocks - blocks.shape[1]))
-        key_slots = blocks[:, key_pos // block_size] * block_size + key_pos % block_size
-        key_slots = key_slots.masked_fill(key_pos[None, :] >= seq_lens[:, None], 0)
+        key_blocks = blocks[:, :n_blocks]
 
         context = seq_lens - query_lens
         query_pos = context[:, None] + torch.arange(Lq, device=device)[None, :]
@@ -85,7 +85,7 @@ class TorchNativeBackend(AttentionBackend):
         return TorchNativeMetadata(
             slot_mapping=slots[write_rows],
             write_rows=write_rows,
-            key_slots=key_slots,
+            key_blocks=key_blocks,
             query_rows=query_rows,
             query_pos=query_pos,
             key_pos=key_pos,
@@ -127,9 +127,9 @@ class TorchNativeBackend(AttentionBackend):
         qp = q.new_zeros(S * Lq, Hq, D)
         qp.index_copy_(0, md.query_rows, q[:T])
         qp = qp.view(S, Lq, Hq, D).transpose(1, 2)  # [S, Hq, Lq, D]
-        kv_shape = kv_cache.shape[-2:]
-        keys = kv_cache[0].view(-1, *kv_shape)[md.key_slots].to(q.dtype)  # [S, Lk, Hkv, D]
-        vals = kv_cache[1].view(-1, *kv_shape)[md.key_slots].to(q.dtype)
+        Lk = md.key_pos.shape[0]
+        keys = kv_cache[0][md.key_blocks].view(S, Lk, Hkv, D).to(q.dtype)  # whole blocks
+        vals = kv_cache[1][md.key_blocks].view(S, Lk, Hkv, D).to(q.dtype)
         keys, vals = keys.transpose(1, 2), vals.transpose(1, 2)  # [S, Hkv, Lk, D]
         mask = md.mask_for(spec.sliding_window)
 
