@@ -60,14 +60,11 @@ class Request:
         self.num_preemptions = 0
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_tokens = len(self.all_token_ids)  # kept in step with all_token_ids (hot path)
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher
         if block_hasher is not None:
             self.block_hashes.extend(block_hasher(self))
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -86,6 +83,7 @@ class Request:
             token_ids = [token_ids]
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+        self.num_tokens = len(self.all_token_ids)
         if self._block_hasher is not None:
             self.block_hashes.extend(self._block_hasher(self))
 

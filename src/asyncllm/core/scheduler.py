@@ -232,31 +232,34 @@ class Scheduler:
         self, sched: SchedulerOutput, runner: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs = []
+        requests, sampled_ids = self.requests, runner.sampled_token_ids
+        running = RequestStatus.RUNNING
         for rid in sched.num_scheduled_tokens:
-            req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
+            req = requests.get(rid)
+            if req is None or req.status != running:
                 continue  # aborted or preempted while the step ran
-            sampled = runner.sampled_token_ids.get(rid) or []
             new_tokens: list[int] = []
-            for token in sampled:
+            for token in sampled_ids.get(rid, ()):
                 req.append_output_token_ids(token)
                 new_tokens.append(token)
                 if self._check_stop(req):
                     break
-            prompt_lp = runner.prompt_logprobs.get(rid)
-            if not new_tokens and prompt_lp is None and not req.is_finished:
+            prompt_lp = runner.prompt_logprobs.get(rid) if runner.prompt_logprobs else None
+            finished = req.status != running
+            if not new_tokens and prompt_lp is None and not finished:
                 continue
-            out = EngineCoreOutput(
-                request_id=rid,
-                new_token_ids=new_tokens,
-                new_logprobs=runner.logprobs.get(rid) if new_tokens else None,
-                new_prompt_logprobs=prompt_lp,
-                finish_reason=RequestStatus.finish_reason(req.status),
-                stop_reason=req.stop_reason,
-                num_cached_tokens=max(req.num_cached_tokens, 0),
+            outputs.append(
+                EngineCoreOutput(
+                    rid,
+                    new_tokens,
+                    runner.logprobs.get(rid) if runner.logprobs and new_tokens else None,
+                    prompt_lp,
+                    RequestStatus.finish_reason(req.status) if finished else None,
+                    req.stop_reason,
+                    req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+                )
             )
-            outputs.append(out)
-            if req.is_finished:
+            if finished:
                 self.running.remove(req)
                 self._free(req)
         return outputs

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from torch import nn
 
 from asyncllm.config import ModelConfig
 from asyncllm.model.attention.backend import AttentionBackend
+from asyncllm.model.layers.linear import cpu_packing_available
 from asyncllm.model.registry import resolve_model_class
 
 DUMMY_WEIGHT_RANGE = 1e-3
@@ -108,7 +110,20 @@ class DefaultModelLoader:
                     f"checkpoint in {str(model_config.path)!r} lacks weights: {', '.join(sorted(missing)[:8])}"
                     + (" …" if len(missing) > 8 else "")
                 )
+        if use_cpu_packing(device, dtype):
+            for module in model.modules():
+                if hasattr(module, "pack_for_cpu"):
+                    module.pack_for_cpu()
         return model.eval()
+
+
+def use_cpu_packing(device: torch.device, dtype: torch.dtype) -> bool:
+    """Prepacked oneDNN weights for float32 on the CPU (ASYNCLLM_CPU_PACKING=0 turns it off)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return False
+    if os.environ.get("ASYNCLLM_CPU_PACKING", "1") == "0":
+        return False
+    return cpu_packing_available()
 
 
 def load_model(model_config: ModelConfig, backend: AttentionBackend) -> nn.Module:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.distributed.parallel_state import get_tp_group
+from asyncllm.model.layers.linear import pack_weight, packed_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -48,10 +49,18 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits; may share its weight with the embedding."""
 
+    packed_weight: torch.Tensor | None = None
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
+    def pack_for_cpu(self) -> None:
+        self.packed_weight = pack_weight(self.weight)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = F.linear(hidden_states, self.weight)
+        if self.packed_weight is not None:
+            logits = packed_linear(hidden_states, self.packed_weight, None)
+        else:
+            logits = F.linear(hidden_states, self.weight)
         logits = self.tp.all_gather_last_dim(logits)
         return logits[..., : self.num_embeddings]
