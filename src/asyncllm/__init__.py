@@ -1,6 +1,8 @@
 """asyncllm: an asyncio-native, embeddable LLM serving engine."""
 
 from asyncllm.config import EngineArgs
+from asyncllm.engine.core_process import EngineDeadError, EngineOverloadedError, EngineStartupError
+from asyncllm.entrypoints.async_llm import AsyncLLM
 from asyncllm.entrypoints.llm import LLM
 from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
@@ -8,6 +10,10 @@ from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncLLM",
+    "EngineDeadError",
+    "EngineOverloadedError",
+    "EngineStartupError",
     "LLM",
     "CompletionOutput",
     "EngineArgs",

@@ -152,6 +152,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     logits_processors: list[str] | None = None
     max_logprobs: int = 20
+    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str | os.PathLike):
@@ -196,6 +197,7 @@ class EngineArgs:
         _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1, optional=True)
         _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
         _check_int("max_logprobs", self.max_logprobs, 0)
+        _check_int("max_waiting_requests", self.max_waiting_requests, 1, optional=True)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
@@ -282,6 +284,7 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             policy=SchedulingPolicy(self.scheduling_policy),
+            max_waiting_requests=self.max_waiting_requests,
         )
         cache = CacheConfig(
             block_size=self.block_size,

@@ -16,6 +16,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # the request was refused or failed (e.g. overload)
 
     @property
     def finished(self) -> bool:

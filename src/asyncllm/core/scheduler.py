@@ -32,6 +32,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: no cap on one prefill's chunk
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    max_waiting_requests: int | None = None  # beyond this, new requests are refused
 
 
 class Scheduler:

@@ -36,6 +36,17 @@ class EngineCore:
         self._aborted_outputs: list[EngineCoreOutput] = []
 
     def add_request(self, req: EngineCoreRequest) -> None:
+        limit = self.config.scheduler.max_waiting_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            self._aborted_outputs.append(
+                EngineCoreOutput(
+                    request_id=req.request_id,
+                    new_token_ids=[],
+                    finish_reason="abort",
+                    error=f"overloaded: {limit} requests are already waiting (max_waiting_requests)",
+                )
+            )
+            return
         request = Request(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -57,6 +68,10 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def has_pending_outputs(self) -> bool:
+        """Outputs that wait for the next step although nothing runs (aborts, refusals)."""
+        return bool(self._aborted_outputs)
 
     def step(self) -> EngineCoreOutputs:
         outputs, self._aborted_outputs = self._aborted_outputs, []

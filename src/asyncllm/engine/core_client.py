@@ -3,12 +3,36 @@ process-separated clients beside it."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import time
 from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable
+from typing import Any
 
-from asyncllm.config import EngineConfig
+import zmq
+import zmq.asyncio
+
+from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.core.outputs import EngineCoreOutputs, SchedulerStats
 from asyncllm.engine.core import EngineCore
+from asyncllm.engine.core_process import (
+    CoreProcess,
+    EngineDeadError,
+    EngineStartupError,
+    engine_args_to_wire,
+)
 from asyncllm.engine.messages import EngineCoreRequest
+from asyncllm.engine.serial import Decoder, Encoder, MsgKind, UtilityCall, UtilityResult
+
+OUTPUT_TYPES = {
+    MsgKind.READY: dict[str, Any],
+    MsgKind.OUTPUTS: EngineCoreOutputs,
+    MsgKind.UTILITY_RESULT: UtilityResult,
+    MsgKind.DEAD: str,
+}
+POLL_S = 0.25  # how often a waiting client checks that the core process lives
 
 
 class EngineCoreClient(ABC):
@@ -34,7 +58,7 @@ class EngineCoreClient(ABC):
 class InprocClient(EngineCoreClient):
     """The engine core in this process: `get_output` runs one step."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, args: EngineArgs | None = None) -> None:
         self.core = EngineCore(config)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -55,3 +79,225 @@ class InprocClient(EngineCoreClient):
 
     def shutdown(self) -> None:
         self.core.shutdown()
+
+
+class _MPClientBase:
+    """What both process clients share: the process, the input socket, the codec."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.process = CoreProcess()
+        self.zmq_ctx = zmq.Context()
+        self.input = self.zmq_ctx.socket(zmq.PUSH)
+        self.input.setsockopt(zmq.SNDHWM, 0)  # sends never block the caller
+        self.input.setsockopt(zmq.LINGER, 0)
+        self.input.bind(self.process.input_addr)
+        self.encoder = Encoder()
+        self.decoder = Decoder(OUTPUT_TYPES)
+        self.info: dict[str, Any] = {}
+        self.dead_reason: str | None = None
+        self._call_ids = itertools.count()
+
+    def _send(self, kind: MsgKind, obj: Any) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        self.input.send_multipart(self.encoder.encode(kind, obj), copy=False)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(MsgKind.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self.dead_reason is None:
+            self._send(MsgKind.ABORT, list(request_ids))
+
+    def _check_process(self) -> None:
+        if self.dead_reason is None and not self.process.alive():
+            self.dead_reason = f"engine core process exited (code {self.process.exit_code()})"
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+
+    def _on_message(self, kind: MsgKind, obj: Any) -> None:
+        if kind is MsgKind.DEAD:
+            self.dead_reason = obj
+            raise EngineDeadError(obj)
+
+    def _close_sockets(self) -> None:
+        self.input.close(linger=0)
+
+
+class SyncMPClient(_MPClientBase, EngineCoreClient):
+    """The engine core in its own process, driven by blocking calls (the `LLM` class)."""
+
+    def __init__(
+        self, config: EngineConfig, args: EngineArgs, ready_timeout: float = 600.0
+    ) -> None:
+        super().__init__(args)
+        self.output = self.zmq_ctx.socket(zmq.PULL)
+        self.output.setsockopt(zmq.LINGER, 0)
+        self.output.bind(self.process.output_addr)
+        self.pending: deque[EngineCoreOutputs] = deque()
+        self.results: dict[int, UtilityResult] = {}
+        self.process.start()
+        self.input.send_multipart(self.encoder.encode(MsgKind.CONFIG, engine_args_to_wire(args)))
+        try:
+            self.info = self._wait_for(lambda k, o: k is MsgKind.READY, ready_timeout)
+        except EngineDeadError as e:
+            self.shutdown()
+            raise EngineStartupError(str(e)) from None
+
+    def _recv(self, timeout: float) -> tuple[MsgKind, Any] | None:
+        if self.output.poll(int(timeout * 1000)):
+            kind, obj = self.decoder.decode(self.output.recv_multipart())
+            self._on_message(kind, obj)
+            return kind, obj
+        self._check_process()
+        return None
+
+    def _wait_for(self, match: Callable[[MsgKind, Any], bool], timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg = self._recv(POLL_S)
+            if msg is None:
+                continue
+            kind, obj = msg
+            if match(kind, obj):
+                return obj
+            if kind is MsgKind.OUTPUTS:
+                self.pending.append(obj)
+            elif kind is MsgKind.UTILITY_RESULT:
+                self.results[obj.call_id] = obj
+        raise TimeoutError(f"no answer from the engine core within {timeout:.0f} s")
+
+    def get_output(self) -> EngineCoreOutputs:
+        if self.pending:
+            return self.pending.popleft()
+        return self._wait_for(lambda k, o: k is MsgKind.OUTPUTS, float("inf"))
+
+    def call_utility(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
+        call_id = next(self._call_ids)
+        self._send(MsgKind.UTILITY, UtilityCall(call_id, method, list(args)))
+        if call_id in self.results:
+            result = self.results.pop(call_id)
+        else:
+            result = self._wait_for(
+                lambda k, o: k is MsgKind.UTILITY_RESULT and o.call_id == call_id, timeout
+            )
+        if result.error:
+            raise RuntimeError(f"engine core {method}: {result.error}")
+        return result.result
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(**self.call_utility("get_stats"))
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.call_utility("reset_prefix_cache"))
+
+    def shutdown(self) -> None:
+        self.process.stop()
+        self.output.close(linger=0)
+        self._close_sockets()
+        self.zmq_ctx.term()
+
+
+class AsyncMPClient(_MPClientBase):
+    """The engine core in its own process, for asyncio: sends never block the loop; an
+    output-handler task receives outputs and hands them to `on_outputs`."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        super().__init__(args)
+        self.actx = zmq.asyncio.Context.shadow(self.zmq_ctx)
+        self.output = self.actx.socket(zmq.PULL)
+        self.output.setsockopt(zmq.LINGER, 0)
+        self.output.bind(self.process.output_addr)
+        self.calls: dict[int, asyncio.Future] = {}
+        self.handler: asyncio.Task | None = None
+
+    async def start(self, ready_timeout: float = 600.0) -> None:
+        self.process.start()
+        self.input.send_multipart(
+            self.encoder.encode(MsgKind.CONFIG, engine_args_to_wire(self.args))
+        )
+        deadline = asyncio.get_running_loop().time() + ready_timeout
+        while True:
+            try:
+                msg = await self._recv(POLL_S)
+            except EngineDeadError as e:
+                raise EngineStartupError(str(e)) from None
+            if msg is not None and msg[0] is MsgKind.READY:
+                self.info = msg[1]
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                raise EngineStartupError(
+                    f"the engine core did not start within {ready_timeout:.0f} s"
+                )
+
+    async def _recv(self, timeout: float) -> tuple[MsgKind, Any] | None:
+        if await self.output.poll(int(timeout * 1000)):
+            frames = await self.output.recv_multipart()
+            kind, obj = self.decoder.decode(frames)
+            self._on_message(kind, obj)
+            return kind, obj
+        self._check_process()
+        return None
+
+    def run_output_handler(
+        self, on_outputs: Callable[[EngineCoreOutputs], None], on_dead: Callable[[str], None]
+    ) -> None:
+        async def loop() -> None:
+            try:
+                while True:
+                    msg = await self._recv(POLL_S)
+                    if msg is None:
+                        continue
+                    kind, obj = msg
+                    if kind is MsgKind.OUTPUTS:
+                        on_outputs(obj)
+                    elif kind is MsgKind.UTILITY_RESULT:
+                        fut = self.calls.pop(obj.call_id, None)
+                        if fut is not None and not fut.done():
+                            fut.set_result(obj)
+            except EngineDeadError as e:
+                self._fail_calls(str(e))
+                on_dead(str(e))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 (a bug here must not hang requests)
+                self.dead_reason = f"output handler failed: {type(e).__name__}: {e}"
+                self._fail_calls(self.dead_reason)
+                on_dead(self.dead_reason)
+
+        self.handler = asyncio.get_running_loop().create_task(
+            loop(), name="asyncllm-output-handler"
+        )
+
+    def _fail_calls(self, reason: str) -> None:
+        for fut in self.calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))
+        self.calls.clear()
+
+    async def call_utility(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self.calls[call_id] = fut
+        self._send(MsgKind.UTILITY, UtilityCall(call_id, method, list(args)))
+        try:
+            result: UtilityResult = await asyncio.wait_for(fut, timeout)
+        finally:
+            self.calls.pop(call_id, None)
+        if result.error:
+            raise RuntimeError(f"engine core {method}: {result.error}")
+        return result.result
+
+    async def shutdown(self) -> None:
+        if self.handler is not None:
+            self.handler.cancel()
+            try:
+                await self.handler
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        self._fail_calls("the engine was shut down")
+        await asyncio.to_thread(self.process.stop)
+        self.output.close(linger=0)
+        self._close_sockets()
+        self.zmq_ctx.term()

@@ -10,7 +10,8 @@ from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.core.outputs import SchedulerStats
 from asyncllm.engine.core_client import EngineCoreClient, InprocClient
 from asyncllm.frontend.input_processor import InputProcessor, PromptType
-from asyncllm.frontend.output_processor import OutputProcessor, ParentRequest, child_request_id
+from asyncllm.frontend.output_processor import OutputProcessor
+from asyncllm.frontend.requests import register_request
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
@@ -25,18 +26,23 @@ def load_tokenizer(config: EngineConfig) -> Any | None:
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, client_class: type[EngineCoreClient] = InprocClient
+        self,
+        config: EngineConfig,
+        args: EngineArgs,
+        client_class: type[EngineCoreClient] = InprocClient,
     ) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config)
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.client = client_class(config)
+        self.client = client_class(config, args)
         self._ids = itertools.count()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        return cls(args.create_engine_config())
+    def from_engine_args(
+        cls, args: EngineArgs, client_class: type[EngineCoreClient] = InprocClient
+    ) -> LLMEngine:
+        return cls(args.create_engine_config(), args, client_class)
 
     def get_tokenizer(self) -> Any | None:
         return self.tokenizer
@@ -53,26 +59,15 @@ class LLMEngine:
         prompt_ids: list[int] | None = None,
     ) -> None:
         """Validates and queues a request; n > 1 becomes n child requests in the core."""
-        params = self.input_processor.check_params(params)
-        prompt_text = prompt if isinstance(prompt, str) else None
-        if prompt_ids is None:
-            prompt_text, prompt_ids = self.input_processor.tokenize_prompt(prompt)
-        if (
-            request_id in self.output_processor.states
-            or request_id in self.output_processor.parents
+        for req in register_request(
+            self.input_processor,
+            self.output_processor,
+            request_id,
+            prompt,
+            params,
+            priority,
+            prompt_ids,
         ):
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if params.n == 1:
-            req = self.input_processor.process(request_id, prompt, params, priority, prompt_ids)
-            self.output_processor.add_request(request_id, prompt_text, prompt_ids, params)
-            self.client.add_request(req)
-            return
-        parent = ParentRequest(request_id, params.n, params.output_kind)
-        for i in range(params.n):
-            child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
-            cid = child_request_id(request_id, i)
-            req = self.input_processor.process(cid, prompt, child_params, priority, prompt_ids)
-            self.output_processor.add_request(cid, prompt_text, prompt_ids, child_params, parent, i)
             self.client.add_request(req)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -80,10 +75,14 @@ class LLMEngine:
         self.client.abort_requests(self.output_processor.abort_requests(ids))
 
     def step(self) -> list[RequestOutput]:
+        """One engine step's outputs. A request the core refused raises its error here."""
         core = self.client.get_output()
         processed = self.output_processor.process_outputs(core.outputs)
         if processed.reqs_to_abort:
             self.client.abort_requests(processed.reqs_to_abort)
+        if processed.errors:
+            rid, message = processed.errors[0]
+            raise RuntimeError(f"request {rid!r} failed: {message}")
         return processed.request_outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncllm.config import EngineArgs
+from asyncllm.engine.core_client import InprocClient, SyncMPClient
 from asyncllm.engine.llm_engine import LLMEngine
 from asyncllm.frontend.input_processor import PromptType
 from asyncllm.outputs import RequestOutput
@@ -27,11 +28,15 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, multiprocess: bool = False, **engine_args: Any
+    ) -> None:
+        """`multiprocess=True` runs the engine core in its own process (SyncMPClient)."""
         unknown = set(engine_args) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
+        client = SyncMPClient if multiprocess else InprocClient
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args), client)
 
     def get_tokenizer(self) -> Any:
         return self.engine.get_tokenizer()

@@ -160,6 +160,7 @@ class RequestState:
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     reqs_to_abort: list[str]  # ended here (stop string) but still running in the core
+    errors: list[tuple[str, str]] = field(default_factory=list)  # (user request id, reason)
 
 
 class OutputProcessor:
@@ -216,6 +217,11 @@ class OutputProcessor:
             state = self.states.get(out.request_id)
             if state is None:
                 continue  # already ended here (stop string, user abort)
+            if out.error is not None:
+                user_id = state.parent.request_id if state.parent is not None else out.request_id
+                result.reqs_to_abort.extend(self.abort_requests([user_id]))
+                result.errors.append((user_id, out.error))
+                continue
             if state.update(out):
                 result.reqs_to_abort.append(out.request_id)
             ro = self._make_output(state)

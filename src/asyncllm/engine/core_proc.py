@@ -1,0 +1,197 @@
+"""EngineCoreProc: the engine core in its own process.
+
+Started as `python -m asyncllm.engine.core_proc --input ADDR --output ADDR` by a client
+(never by multiprocessing re-importing the caller's __main__), so user scripts need no
+`if __name__ == "__main__"` guard. The first message is the engine arguments; the
+process answers READY (or DEAD with the reason) once the model is loaded.
+
+Threads: one decodes input frames into a queue (malformed frames are logged and
+dropped), one encodes and sends outputs, and the main thread steps the core while work
+exists and blocks on the queue when idle. The process exits when its parent dies (its
+stdin, a pipe from the parent, reaches EOF) and on SIGTERM/SIGINT; an exception in the
+loop is sent to the client as DEAD before the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import traceback
+from typing import Any
+
+import zmq
+
+from asyncllm.core.outputs import EngineCoreOutput, EngineCoreOutputs
+from asyncllm.engine.messages import EngineCoreRequest
+from asyncllm.engine.serial import Decoder, Encoder, MsgKind, UtilityCall, UtilityResult
+
+logger = logging.getLogger("asyncllm.engine_core")
+
+INPUT_TYPES = {
+    MsgKind.CONFIG: dict[str, Any],
+    MsgKind.ADD: EngineCoreRequest,
+    MsgKind.ABORT: list[str],
+    MsgKind.UTILITY: UtilityCall,
+}
+
+
+def _watch_parent() -> None:
+    """The parent holds the write end of our stdin; EOF means it is gone."""
+    try:
+        while sys.stdin.buffer.read(1 << 16):
+            pass
+    except Exception:  # noqa: BLE001 (any failure to read means the same)
+        pass
+    os._exit(0)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _on_signal(signum, frame) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+class EngineCoreProc:
+    def __init__(self, input_addr: str, output_addr: str) -> None:
+        self.ctx = zmq.Context()
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.connect(input_addr)
+        self.output = self.ctx.socket(zmq.PUSH)
+        self.output.setsockopt(zmq.LINGER, 2000)
+        self.output.connect(output_addr)
+        self.encoder = Encoder()
+        self.in_q: queue.Queue = queue.Queue()
+        self.out_q: queue.Queue = queue.Queue()
+        self.core = None
+
+    def send_now(self, kind: MsgKind, obj: Any) -> None:
+        self.output.send_multipart(self.encoder.encode(kind, obj), copy=False)
+
+    def start(self) -> None:
+        decoder = Decoder(INPUT_TYPES)
+        kind, cfg = decoder.decode(self.input.recv_multipart(copy=False))
+        if kind is not MsgKind.CONFIG:
+            raise RuntimeError(f"expected the engine arguments first, got {kind.name}")
+        try:
+            from asyncllm.config import EngineArgs
+            from asyncllm.engine.core import EngineCore
+
+            args = EngineArgs(**cfg)
+            config = args.create_engine_config()
+            self.core = EngineCore(config)
+        except BaseException as e:  # noqa: BLE001 (every failure goes to the client)
+            self.send_now(MsgKind.DEAD, f"engine core failed to start: {type(e).__name__}: {e}")
+            raise
+        info = {
+            "max_model_len": config.model.max_model_len,
+            "num_blocks": self.core.num_blocks,
+            "block_size": config.cache.block_size,
+            "vocab_size": int(config.model.hf_config.vocab_size),
+        }
+        self.send_now(MsgKind.READY, info)
+        threading.Thread(
+            target=self._input_loop, args=(decoder,), daemon=True, name="core-input"
+        ).start()
+        threading.Thread(target=self._output_loop, daemon=True, name="core-output").start()
+
+    def _input_loop(self, decoder: Decoder) -> None:
+        while True:
+            frames = self.input.recv_multipart(copy=False)
+            try:
+                self.in_q.put(decoder.decode([f.buffer for f in frames]))
+            except ValueError as e:
+                logger.warning("dropped a malformed message: %s", e)
+
+    def _output_loop(self) -> None:
+        encoder = Encoder()
+        while True:
+            kind, obj = self.out_q.get()
+            self.output.send_multipart(encoder.encode(kind, obj), copy=False)
+
+    def _handle(self, kind: MsgKind, obj: Any) -> None:
+        core = self.core
+        if kind is MsgKind.ADD:
+            try:
+                core.add_request(obj)
+            except (ValueError, TypeError) as e:
+                err = EngineCoreOutput(obj.request_id, [], finish_reason="abort", error=str(e))
+                self.out_q.put((MsgKind.OUTPUTS, EngineCoreOutputs(outputs=[err])))
+        elif kind is MsgKind.ABORT:
+            core.abort_requests(obj)
+        elif kind is MsgKind.UTILITY:
+            self.out_q.put((MsgKind.UTILITY_RESULT, self._utility(obj)))
+        else:
+            logger.warning("ignored a %s message", kind.name)
+
+    def _utility(self, call: UtilityCall) -> UtilityResult:
+        try:
+            if call.method == "ping":
+                return UtilityResult(call.call_id, "pong")
+            if call.method == "get_stats":
+                return UtilityResult(call.call_id, self.core.get_stats())
+            if call.method == "reset_prefix_cache":
+                return UtilityResult(call.call_id, self.core.reset_prefix_cache())
+            return UtilityResult(call.call_id, error=f"unknown utility {call.method!r}")
+        except Exception as e:  # noqa: BLE001 (reported to the caller)
+            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+
+    def run_busy_loop(self) -> None:
+        core = self.core
+        while True:
+            if not core.has_unfinished_requests() and not core.has_pending_outputs():
+                self._handle(*self.in_q.get())
+            while True:
+                try:
+                    self._handle(*self.in_q.get_nowait())
+                except queue.Empty:
+                    break
+            if core.has_unfinished_requests() or core.has_pending_outputs():
+                self.out_q.put((MsgKind.OUTPUTS, core.step()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="asyncllm engine core process")
+    parser.add_argument("--input", required=True)
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args()
+    logging.basicConfig(
+        level=os.environ.get("ASYNCLLM_LOG_LEVEL", "WARNING"),
+        stream=sys.stderr,
+        format="%(asctime)s engine-core %(levelname)s %(message)s",
+    )
+    threading.Thread(target=_watch_parent, daemon=True, name="parent-watch").start()
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    proc = EngineCoreProc(args.input, args.output)
+    code = 0
+    try:
+        proc.start()
+        proc.run_busy_loop()
+    except _Stop:
+        code = 0
+    except BaseException as e:  # noqa: BLE001
+        if proc.core is not None:
+            try:
+                proc.send_now(
+                    MsgKind.DEAD,
+                    f"engine core died: {type(e).__name__}: {e}\n{traceback.format_exc()}",
+                )
+            except Exception:  # noqa: BLE001
+                pass
+        code = 1
+    finally:
+        try:
+            proc.output.close(linger=2000)
+        finally:
+            os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
