@@ -84,9 +84,13 @@ def test_unknown_engine_argument_is_named():
         LLM(device="cpu", max_num_seq=4)
 
 
-def test_kv_cache_too_small_for_one_request_is_a_clear_error():
-    with pytest.raises(ValueError, match="max_model_len"):
-        LLM(device="cpu", max_model_len=1024, num_gpu_blocks_override=10)
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_kv_cache_too_small_for_one_request_is_a_clear_error(multiprocess):
+    from asyncllm import EngineStartupError
+
+    error = EngineStartupError if multiprocess else ValueError
+    with pytest.raises(error, match="max_model_len"):
+        LLM(device="cpu", max_model_len=1024, num_gpu_blocks_override=10, multiprocess=multiprocess)
 
 
 def test_duplicate_request_id_is_rejected(llm):

@@ -99,9 +99,32 @@ class _MPClientBase:
         self._call_ids = itertools.count()
 
     def _send(self, kind: MsgKind, obj: Any) -> None:
+        """Never blocks: a PUSH socket only refuses when the core is not connected,
+        which after startup means it is gone."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        self.input.send_multipart(self.encoder.encode(kind, obj), copy=False)
+        frames = self.encoder.encode(kind, obj)
+        for _ in range(100):
+            try:
+                self.input.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                self._check_process()
+                time.sleep(0.001)
+        raise EngineDeadError("the engine core does not take input")
+
+    def _try_send_config(self) -> bool:
+        """The engine arguments, once the core has connected (a PUSH socket cannot queue
+        before its peer exists, and a blocking send would stall the caller)."""
+        self._check_process()
+        try:
+            self.input.send_multipart(
+                self.encoder.encode(MsgKind.CONFIG, engine_args_to_wire(self.args)),
+                flags=zmq.NOBLOCK,
+            )
+            return True
+        except zmq.Again:
+            return False
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(MsgKind.ADD, request)
@@ -138,8 +161,9 @@ class SyncMPClient(_MPClientBase, EngineCoreClient):
         self.pending: deque[EngineCoreOutputs] = deque()
         self.results: dict[int, UtilityResult] = {}
         self.process.start()
-        self.input.send_multipart(self.encoder.encode(MsgKind.CONFIG, engine_args_to_wire(args)))
         try:
+            while not self._try_send_config():
+                time.sleep(0.01)
             self.info = self._wait_for(lambda k, o: k is MsgKind.READY, ready_timeout)
         except EngineDeadError as e:
             self.shutdown()
@@ -214,10 +238,12 @@ class AsyncMPClient(_MPClientBase):
 
     async def start(self, ready_timeout: float = 600.0) -> None:
         self.process.start()
-        self.input.send_multipart(
-            self.encoder.encode(MsgKind.CONFIG, engine_args_to_wire(self.args))
-        )
         deadline = asyncio.get_running_loop().time() + ready_timeout
+        try:
+            while not self._try_send_config():
+                await asyncio.sleep(0.01)
+        except EngineDeadError as e:
+            raise EngineStartupError(str(e)) from None
         while True:
             try:
                 msg = await self._recv(POLL_S)

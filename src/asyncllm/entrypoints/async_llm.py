@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from asyncllm.config import EngineArgs, EngineConfig
-from asyncllm.core.outputs import EngineCoreOutputs
+from asyncllm.core.outputs import EngineCoreOutputs, SchedulerStats
 from asyncllm.engine.core_client import AsyncMPClient
 from asyncllm.engine.core_process import EngineDeadError, EngineOverloadedError
 from asyncllm.engine.llm_engine import load_tokenizer
@@ -341,8 +341,8 @@ class AsyncLLM:
 
     async def get_stats(self) -> dict[str, Any]:
         self._check_usable()
-        stats = await self.client.call_utility("get_stats")
-        out = dict(stats)
+        stats = SchedulerStats(**await self.client.call_utility("get_stats"))
+        out = {f: getattr(stats, f) for f in stats.__struct_fields__}
         q = out.get("prefix_cache_queries", 0)
         out["prefix_cache_hit_rate"] = out.get("prefix_cache_hits", 0) / q if q else 0.0
         out["num_frontend_requests"] = len(self._collectors)

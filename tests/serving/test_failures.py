@@ -1,0 +1,178 @@
+"""AsyncLLM when things go wrong: a killed core, a killed host, bad models, overload."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from asyncllm import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStartupError,
+    SamplingParams,
+)
+from tests.conftest import ROOT
+from tests.serving.conftest import SERVING_ARGS
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'kernels'}", "OMP_NUM_THREADS": "1"}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie waiting for its parent is gone for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def test_kill_9_of_the_core_fails_every_stream_promptly():
+    llm = await AsyncLLM(**SERVING_ARGS).start()
+    pid = llm.engine_core_pid
+    params = SamplingParams(max_tokens=5000, ignore_eos=True, temperature=0.0)
+    started = asyncio.Event()
+
+    async def stream(i):
+        async for _ in llm.generate(f"Stream {i}: tell a long story", params):
+            started.set()
+
+    tasks = [asyncio.create_task(stream(i)) for i in range(10)]
+    await asyncio.wait_for(started.wait(), 30)
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
+    assert all(isinstance(r, EngineDeadError) for r in results), results
+    assert time.monotonic() - t0 < 5
+    assert llm.errored and not llm.is_running
+    t1 = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        async for _ in llm.generate("again?", params):
+            pass
+    assert time.monotonic() - t1 < 0.5
+    await llm.shutdown()
+    assert not _pid_alive(pid)
+
+
+SCRIPT_HOLD = textwrap.dedent(
+    """
+    import asyncio, sys
+    from asyncllm import AsyncLLM, SamplingParams
+
+    async def main():
+        llm = await AsyncLLM(device="cpu", max_model_len=256, kv_cache_memory_bytes=64 << 20).start()
+        print(llm.engine_core_pid, flush=True)
+        await asyncio.sleep(600)
+
+    asyncio.run(main())
+    """
+)
+
+SCRIPT_NO_GUARD = textwrap.dedent(
+    """
+    import asyncio
+    from asyncllm import AsyncLLM, SamplingParams
+
+    async def main():
+        async with AsyncLLM(device="cpu", max_model_len=256, kv_cache_memory_bytes=64 << 20) as llm:
+            async for out in llm.generate("Hello", SamplingParams(max_tokens=3, temperature=0.0)):
+                pass
+            print("OK", len(out.outputs[0].token_ids), flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_a_killed_host_leaves_no_engine_core_behind(tmp_path):
+    script = tmp_path / "hold.py"
+    script.write_text(SCRIPT_HOLD)
+    child = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, env=ENV, text=True
+    )
+    line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 120)
+    core_pid = int(line.strip())
+    assert _pid_alive(core_pid)
+    child.kill()
+    child.wait()
+    deadline = time.monotonic() + 5
+    while _pid_alive(core_pid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert not _pid_alive(core_pid), "the engine core outlived its host"
+
+
+async def test_a_script_without_a_main_guard_runs(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text(SCRIPT_NO_GUARD)
+    proc = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "OK 3" in proc.stdout
+
+
+async def test_a_bad_model_path_fails_fast_with_its_name():
+    t0 = time.monotonic()
+    with pytest.raises(FileNotFoundError, match="no/such/model"):
+        await AsyncLLM(model="/no/such/model", device="cpu").start()
+    assert time.monotonic() - t0 < 30
+
+
+async def test_a_core_that_cannot_start_reports_why():
+    t0 = time.monotonic()
+    with pytest.raises(EngineStartupError, match="max_model_len"):
+        await AsyncLLM(device="cpu", max_model_len=1024, num_gpu_blocks_override=4).start()
+    assert time.monotonic() - t0 < 60
+
+
+async def test_overload_refuses_the_fifth_waiting_request_and_the_others_finish():
+    gaps = []
+    stop = asyncio.Event()
+
+    async def ticker():
+        last = asyncio.get_running_loop().time()
+        while not stop.is_set():
+            await asyncio.sleep(0.01)
+            now = asyncio.get_running_loop().time()
+            gaps.append(now - last)
+            last = now
+
+    tick = asyncio.create_task(ticker())
+    llm = AsyncLLM(**{**SERVING_ARGS, "max_num_seqs": 1, "max_waiting_requests": 4})
+    await llm.start()  # the ticker keeps running while the model loads
+    try:
+        params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
+
+        async def run(i):
+            outs = [o async for o in llm.generate(f"Request {i}", params)]
+            return outs[-1].outputs[0].token_ids
+
+        first = asyncio.create_task(run(0))
+        await asyncio.sleep(0.5)  # request 0 is running; the next four wait
+        waiting = [asyncio.create_task(run(i)) for i in range(1, 5)]
+        await asyncio.sleep(0.3)
+        with pytest.raises(EngineOverloadedError, match="max_waiting_requests"):
+            await run(5)
+        results = await asyncio.gather(first, *waiting)
+        assert all(len(r) == 30 for r in results)
+    finally:
+        stop.set()
+        await tick
+        await llm.shutdown()
+    assert max(gaps) < 1.0, f"the loop stalled {max(gaps):.2f} s during startup or serving"
