@@ -212,10 +212,11 @@ class EngineArgs:
                 "tensor_parallel_size and pipeline_parallel_size above 1 need the multiprocess "
                 "executor, which this version does not have yet"
             )
-        if self.distributed_executor_backend not in (None, "uni"):
+        backend = self.distributed_executor_backend
+        if backend not in (None, "uni") and not (isinstance(backend, str) and ":" in backend):
             raise ValueError(
-                f"distributed_executor_backend {self.distributed_executor_backend!r} is not available "
-                "(this version has 'uni', the in-process executor)"
+                f"distributed_executor_backend {backend!r} is not available (this version has "
+                "'uni', the in-process executor, or an Executor subclass named 'module:Class')"
             )
         if self.logits_processors is not None:
             if not isinstance(self.logits_processors, list | tuple) or not all(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 
 from asyncllm.config import EngineConfig
@@ -31,4 +32,11 @@ def get_executor_class(config: EngineConfig) -> type[Executor]:
     backend = config.parallel.distributed_executor_backend
     if backend in (None, "uni"):
         return UniProcExecutor
-    raise ValueError(f"distributed_executor_backend {backend!r} is not available")
+    module_name, _, attr = (backend or "").partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"distributed_executor_backend {backend!r}: {e}") from e
+    if not (isinstance(cls, type) and issubclass(cls, Executor)):
+        raise ValueError(f"distributed_executor_backend {backend!r} is not an Executor subclass")
+    return cls
