@@ -202,6 +202,8 @@ async def test_chat_abort_health_and_stats(allm):
     await _wait_idle(allm)
     stats = await allm.get_stats()
     assert stats["ttft_s"]["count"] > 0 and stats["tpot_s"]["count"] > 0
+    assert stats["queue_time_s"]["count"] > 0 and stats["queue_time_s"]["mean"] >= 0
+    assert sum(stats["e2e_latency_s"]["counts"]) == stats["e2e_latency_s"]["count"]
     assert 0.0 <= stats["prefix_cache_hit_rate"] <= 1.0
     await allm.check_health()
 

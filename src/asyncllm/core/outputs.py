@@ -17,6 +17,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # the request was refused or failed (e.g. overload)
+    # time.monotonic() (one clock for all processes of the machine) when the request was
+    # first scheduled; sent with its first tokens, for queue-time statistics
+    first_scheduled_time: float = 0.0
 
     @property
     def finished(self) -> bool:

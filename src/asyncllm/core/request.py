@@ -58,6 +58,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
+        self.first_scheduled_time = 0.0  # time.monotonic() when it first got tokens
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_tokens = len(self.all_token_ids)  # kept in step with all_token_ids (hot path)

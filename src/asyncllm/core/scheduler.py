@@ -9,6 +9,7 @@ front of the waiting queue, to be recomputed later (mostly from the prefix cache
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -159,6 +160,7 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             new_reqs.append(req)
             num_scheduled[req.request_id] = n
@@ -258,6 +260,8 @@ class Scheduler:
                     RequestStatus.finish_reason(req.status) if finished else None,
                     req.stop_reason,
                     req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+                    None,
+                    req.first_scheduled_time if req.num_output_tokens == len(new_tokens) else 0.0,
                 )
             )
             if finished:

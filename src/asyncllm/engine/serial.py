@@ -51,7 +51,8 @@ class Encoder:
             assert self._buffers is not None
             arr = np.ascontiguousarray(obj)
             self._buffers.append(memoryview(arr).cast("B"))
-            meta = msgspec.msgpack.encode((arr.dtype.str, arr.shape, len(self._buffers)))
+            frame = 1 + len(self._buffers)  # frames: kind, body, then the buffers
+            meta = msgspec.msgpack.encode((arr.dtype.str, arr.shape, frame))
             return msgspec.msgpack.Ext(_NDARRAY_EXT, meta)
         if isinstance(obj, enum.Enum):
             return obj.value
@@ -77,6 +78,8 @@ class Decoder:
         if code != _NDARRAY_EXT:
             raise ValueError(f"unknown ext type {code}")
         dtype, shape, index = msgspec.msgpack.decode(data)
+        if not 2 <= index < len(self._frames):
+            raise ValueError(f"array frame {index} is missing")
         return np.frombuffer(self._frames[index], dtype=np.dtype(dtype)).reshape(shape)
 
     def decode(self, frames: list[Any]) -> tuple[MsgKind, Any]:

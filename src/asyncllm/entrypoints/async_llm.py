@@ -130,12 +130,14 @@ class AsyncLLM:
         self._ttft = Histogram()
         self._tpot = Histogram()
         self._e2e = Histogram()
+        self._queue = Histogram()
         self._last_core_stats = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
-        llm = cls.__new__(cls)
-        AsyncLLM.__init__(llm)
+        if not isinstance(args, EngineArgs):
+            raise TypeError(f"args must be an EngineArgs, got {type(args).__name__}")
+        llm = cls()
         llm.args = args
         return llm
 
@@ -236,6 +238,8 @@ class AsyncLLM:
                 self._tpot.observe((m["finished_time"] - m["first_token_time"]) / (n - 1))
         if "finished_time" in m:
             self._e2e.observe(m["finished_time"] - m["arrival_time"])
+        if "first_scheduled_time" in m:
+            self._queue.observe(max(m["first_scheduled_time"] - m["arrival_time"], 0.0))
 
     def _on_dead(self, reason: str) -> None:
         self._dead = reason
@@ -349,6 +353,7 @@ class AsyncLLM:
         out["ttft_s"] = self._ttft.as_dict()
         out["tpot_s"] = self._tpot.as_dict()
         out["e2e_latency_s"] = self._e2e.as_dict()
+        out["queue_time_s"] = self._queue.as_dict()
         return out
 
     async def reset_prefix_cache(self) -> bool:

@@ -111,6 +111,8 @@ class RequestState:
         now = time.monotonic()
         if out.new_token_ids and "first_token_time" not in self.metrics:
             self.metrics["first_token_time"] = now
+        if out.first_scheduled_time and "first_scheduled_time" not in self.metrics:
+            self.metrics["first_scheduled_time"] = out.first_scheduled_time
         self.num_cached_tokens = out.num_cached_tokens
         if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._to_dicts(out.new_prompt_logprobs))
