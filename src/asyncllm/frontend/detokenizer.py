@@ -32,8 +32,16 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.stop_string: str | None = None  # the stop string that ended the text
 
+        # The Rust tokenizer directly (10x cheaper per call than the Python wrapper) when
+        # the wrapper would add nothing (no clean-up of tokenization spaces).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            self._decoder = backend
+        else:
+            self._decoder = tokenizer
+
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decoder.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Adds tokens; returns the stop string if one now ends the text."""
