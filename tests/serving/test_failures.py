@@ -14,6 +14,7 @@ import pytest
 
 from asyncllm import (
     AsyncLLM,
+    EngineArgs,
     EngineDeadError,
     EngineOverloadedError,
     EngineStartupError,
@@ -176,3 +177,49 @@ async def test_overload_refuses_the_fifth_waiting_request_and_the_others_finish(
         await tick
         await llm.shutdown()
     assert max(gaps) < 1.0, f"the loop stalled {max(gaps):.2f} s during startup or serving"
+
+
+async def test_an_exception_in_the_core_reaches_every_stream_with_its_reason():
+    llm = AsyncLLM.from_engine_args(
+        EngineArgs(
+            device="cpu",
+            max_model_len=256,
+            distributed_executor_backend="tests.serving.failing_executor:FailOnThirdStep",
+        )
+    )
+    await llm.start()
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+
+    async def stream(i):
+        async for _ in llm.generate(f"request {i}", params):
+            pass
+
+    results = await asyncio.wait_for(
+        asyncio.gather(*[stream(i) for i in range(3)], return_exceptions=True), 10
+    )
+    assert all(
+        isinstance(r, EngineDeadError) and "simulated device failure" in str(r) for r in results
+    ), results
+    assert llm.errored
+    await llm.shutdown()
+
+
+async def test_sigterm_stops_the_core_and_pending_streams_end():
+    llm = await AsyncLLM(**SERVING_ARGS).start()
+    pid = llm.engine_core_pid
+    got = []
+
+    async def stream():
+        async for out in llm.generate("x", SamplingParams(max_tokens=900, ignore_eos=True)):
+            got.append(out)
+
+    task = asyncio.create_task(stream())
+    try:
+        while not got:
+            await asyncio.sleep(0.01)
+        os.kill(pid, signal.SIGTERM)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(task, 5)
+    finally:
+        await llm.shutdown()
+    assert not _pid_alive(pid)

@@ -21,7 +21,6 @@ import queue
 import signal
 import sys
 import threading
-import traceback
 from typing import Any
 
 import zmq
@@ -54,7 +53,14 @@ class _Stop(Exception):
     pass
 
 
+class _Reported(Exception):
+    """A failure already sent to the client."""
+
+
 def _on_signal(signum, frame) -> None:
+    # Once: a second signal must not interrupt the orderly exit of the first.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise _Stop(signal.Signals(signum).name)
 
 
@@ -70,6 +76,8 @@ class EngineCoreProc:
         self.in_q: queue.Queue = queue.Queue()
         self.out_q: queue.Queue = queue.Queue()
         self.core = None
+        self._input_thread: threading.Thread | None = None
+        self._output_thread: threading.Thread | None = None
 
     def send_now(self, kind: MsgKind, obj: Any) -> None:
         self.output.send_multipart(self.encoder.encode(kind, obj), copy=False)
@@ -87,8 +95,8 @@ class EngineCoreProc:
             config = args.create_engine_config()
             self.core = EngineCore(config)
         except BaseException as e:  # noqa: BLE001 (every failure goes to the client)
-            self.send_now(MsgKind.DEAD, f"engine core failed to start: {type(e).__name__}: {e}")
-            raise
+            self.report_death(f"engine core failed to start: {type(e).__name__}: {e}")
+            raise _Reported() from e
         info = {
             "max_model_len": config.model.max_model_len,
             "num_blocks": self.core.num_blocks,
@@ -103,7 +111,11 @@ class EngineCoreProc:
 
     def _input_loop(self, decoder: Decoder) -> None:
         while True:
-            frames = self.input.recv_multipart(copy=False)
+            try:
+                frames = self.input.recv_multipart(copy=False)
+            except zmq.ContextTerminated:
+                self.input.close(linger=0)
+                return
             try:
                 self.in_q.put(decoder.decode([f.buffer for f in frames]))
             except ValueError as e:
@@ -112,8 +124,30 @@ class EngineCoreProc:
     def _output_loop(self) -> None:
         encoder = Encoder()
         while True:
-            kind, obj = self.out_q.get()
+            item = self.out_q.get()
+            if item is None:  # the process is ending: the main thread takes the socket back
+                return
+            kind, obj = item
             self.output.send_multipart(encoder.encode(kind, obj), copy=False)
+
+    def report_death(self, reason: str) -> None:
+        """Sends DEAD behind any pending outputs, then stops the output thread."""
+        if self._output_thread is None:
+            self.send_now(MsgKind.DEAD, reason)
+            return
+        self.out_q.put((MsgKind.DEAD, reason))
+        self.out_q.put(None)
+        self._output_thread.join(timeout=5.0)
+
+    def close(self) -> None:
+        """Flushes what was sent (linger) before the process exits. A socket still in use
+        by a stuck thread is left alone: the process exits regardless."""
+        if self._output_thread is not None and self._output_thread.is_alive():
+            return
+        self.output.close(linger=2000)
+        if self._input_thread is None:
+            self.input.close(linger=0)
+        self.ctx.term()
 
     def _handle(self, kind: MsgKind, obj: Any) -> None:
         core = self.core
@@ -174,21 +208,17 @@ def main() -> None:
     try:
         proc.start()
         proc.run_busy_loop()
-    except _Stop:
-        code = 0
+    except _Stop as e:
+        proc.report_death(f"engine core stopped by {e}")
+    except _Reported:
+        code = 1
     except BaseException as e:  # noqa: BLE001
-        if proc.core is not None:
-            try:
-                proc.send_now(
-                    MsgKind.DEAD,
-                    f"engine core died: {type(e).__name__}: {e}\n{traceback.format_exc()}",
-                )
-            except Exception:  # noqa: BLE001
-                pass
+        logger.exception("engine core failed")
+        proc.report_death(f"engine core died: {type(e).__name__}: {e}")
         code = 1
     finally:
         try:
-            proc.output.close(linger=2000)
+            proc.close()
         finally:
             os._exit(code)
 
