@@ -29,17 +29,19 @@ def cache_root() -> Path:
 
 def resolve_device(device: str | torch.device) -> torch.device:
     if isinstance(device, torch.device):
-        return device
+        device = str(device)
     if not isinstance(device, str):
         raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
     except RuntimeError as e:
         raise ValueError(f"device {device!r} is not a valid torch device") from e
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was asked for but CUDA is not available")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", 0)  # the first visible GPU (CUDA_VISIBLE_DEVICES picks it)
     return dev
 
 

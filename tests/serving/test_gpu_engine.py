@@ -36,6 +36,7 @@ def test_llm_greedy_on_cuda_equals_transformers(tiny_folder, multiprocess):
         dtype="float32",
         skip_tokenizer_init=True,
         max_model_len=512,
+        gpu_memory_utilization=0.3,
         multiprocess=multiprocess,
     ) as llm:
         outs = llm.generate(
@@ -53,7 +54,11 @@ def test_async_llm_on_cuda(tiny_folder):
 
     async def main():
         async with AsyncLLM(
-            str(folder), device="cuda", skip_tokenizer_init=True, max_model_len=512
+            str(folder),
+            device="cuda",
+            skip_tokenizer_init=True,
+            max_model_len=512,
+            gpu_memory_utilization=0.3,
         ) as llm:
 
             async def one(p):

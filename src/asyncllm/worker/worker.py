@@ -34,13 +34,11 @@ class Worker:
         elif cache.kv_cache_memory_bytes is not None:
             num_blocks = cache.kv_cache_memory_bytes // block_bytes
         elif self.device.type == "cuda":
+            # This engine may use gpu_memory_utilization of the card, weights included, and
+            # never more than is free now (other processes may share the GPU).
             free, total = torch.cuda.mem_get_info(self.device)
-            used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-            budget = (
-                cache.gpu_memory_utilization * total
-                - used_by_others
-                - torch.cuda.max_memory_allocated(self.device)
-            )
+            own = torch.cuda.memory_reserved(self.device)
+            budget = min(cache.gpu_memory_utilization * total - own, free - (1 << 30))
             # Headroom for activations of the largest batch (logits dominate at small models).
             sched = self.config.scheduler
             hidden = self.config.model.hf_config.hidden_size
@@ -70,3 +68,10 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        """Releases the KV cache and the model (device memory goes back at once)."""
+        self.runner.kv_caches = []
+        self.runner.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
