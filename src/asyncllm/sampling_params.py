@@ -12,6 +12,14 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -74,15 +82,7 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and not _is_int(v):
                 raise TypeError(f"{name} must be an int or None, got {type(v).__name__}")
-        floats = (
-            "temperature",
-            "top_p",
-            "min_p",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-        )
-        for name in floats:
+        for name in _FLOAT_FIELDS:
             if not _is_num(getattr(self, name)):
                 raise TypeError(
                     f"{name} must be a number, got {type(getattr(self, name)).__name__}"
@@ -115,14 +115,7 @@ class SamplingParams:
     def _check_values(self) -> None:
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-        ):
+        for name in _FLOAT_FIELDS:
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
         if self.temperature < 0:

@@ -21,7 +21,7 @@ from asyncllm import (
     SamplingParams,
 )
 from tests.conftest import ROOT
-from tests.serving.conftest import SERVING_ARGS
+from tests.serving.conftest import SERVING_ARGS, LoopTicker
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'kernels'}", "OMP_NUM_THREADS": "1"}
@@ -143,40 +143,29 @@ async def test_a_core_that_cannot_start_reports_why():
 
 
 async def test_overload_refuses_the_fifth_waiting_request_and_the_others_finish():
-    gaps = []
-    stop = asyncio.Event()
+    async with LoopTicker() as ticker:
+        llm = AsyncLLM(**{**SERVING_ARGS, "max_num_seqs": 1, "max_waiting_requests": 4})
+        await llm.start()  # the ticker keeps running while the model loads
+        try:
+            params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
 
-    async def ticker():
-        last = asyncio.get_running_loop().time()
-        while not stop.is_set():
-            await asyncio.sleep(0.01)
-            now = asyncio.get_running_loop().time()
-            gaps.append(now - last)
-            last = now
+            async def run(i):
+                outs = [o async for o in llm.generate(f"Request {i}", params)]
+                return outs[-1].outputs[0].token_ids
 
-    tick = asyncio.create_task(ticker())
-    llm = AsyncLLM(**{**SERVING_ARGS, "max_num_seqs": 1, "max_waiting_requests": 4})
-    await llm.start()  # the ticker keeps running while the model loads
-    try:
-        params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
-
-        async def run(i):
-            outs = [o async for o in llm.generate(f"Request {i}", params)]
-            return outs[-1].outputs[0].token_ids
-
-        first = asyncio.create_task(run(0))
-        await asyncio.sleep(0.5)  # request 0 is running; the next four wait
-        waiting = [asyncio.create_task(run(i)) for i in range(1, 5)]
-        await asyncio.sleep(0.3)
-        with pytest.raises(EngineOverloadedError, match="max_waiting_requests"):
-            await run(5)
-        results = await asyncio.gather(first, *waiting)
-        assert all(len(r) == 30 for r in results)
-    finally:
-        stop.set()
-        await tick
-        await llm.shutdown()
-    assert max(gaps) < 1.0, f"the loop stalled {max(gaps):.2f} s during startup or serving"
+            first = asyncio.create_task(run(0))
+            await asyncio.sleep(0.5)  # request 0 is running; the next four wait
+            waiting = [asyncio.create_task(run(i)) for i in range(1, 5)]
+            await asyncio.sleep(0.3)
+            with pytest.raises(EngineOverloadedError, match="max_waiting_requests"):
+                await run(5)
+            results = await asyncio.gather(first, *waiting)
+            assert all(len(r) == 30 for r in results)
+        finally:
+            await llm.shutdown()
+    assert ticker.worst_gap < 1.0, (
+        f"the loop stalled {ticker.worst_gap:.2f} s during startup or serving"
+    )
 
 
 async def test_an_exception_in_the_core_reaches_every_stream_with_its_reason():
