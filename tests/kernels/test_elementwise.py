@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from asyncllm_kernels.elementwise import (  # noqa: E402
+from asyncllm_kernels.elementwise import (
     reshape_and_cache,
     reshape_and_cache_ref,
     rms_norm,

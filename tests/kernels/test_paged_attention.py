@@ -6,9 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from asyncllm_kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
+from asyncllm_kernels.paged_attention import paged_attention, paged_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from asyncllm_kernels.rotary import apply_rotary_, apply_rotary_ref  # noqa: E402
+from asyncllm_kernels.rotary import apply_rotary_, apply_rotary_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

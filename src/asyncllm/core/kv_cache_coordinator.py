@@ -78,7 +78,7 @@ class KVCacheCoordinator:
 
 
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
-    pass
+    """One KV layout for every layer, with prefix caching: the base behaviour as is."""
 
 
 class NoPrefixCacheCoordinator(KVCacheCoordinator):

@@ -33,12 +33,12 @@ class EngineCore:
         self._block_hasher = (
             make_block_hasher(cache.block_size) if cache.enable_prefix_caching else None
         )
-        self._aborted_outputs: list[EngineCoreOutput] = []
+        self._pending_outputs: list[EngineCoreOutput] = []
 
     def add_request(self, req: EngineCoreRequest) -> None:
         limit = self.config.scheduler.max_waiting_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:
-            self._aborted_outputs.append(
+            self._pending_outputs.append(
                 EngineCoreOutput(
                     request_id=req.request_id,
                     new_token_ids=[],
@@ -62,7 +62,7 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         """Ends requests; each gets a final output with finish_reason 'abort'."""
         for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
-            self._aborted_outputs.append(
+            self._pending_outputs.append(
                 EngineCoreOutput(request_id=req.request_id, new_token_ids=[], finish_reason="abort")
             )
 
@@ -71,10 +71,10 @@ class EngineCore:
 
     def has_pending_outputs(self) -> bool:
         """Outputs that wait for the next step although nothing runs (aborts, refusals)."""
-        return bool(self._aborted_outputs)
+        return bool(self._pending_outputs)
 
     def step(self) -> EngineCoreOutputs:
-        outputs, self._aborted_outputs = self._aborted_outputs, []
+        outputs, self._pending_outputs = self._pending_outputs, []
         if self.scheduler.has_unfinished_requests():
             sched = self.scheduler.schedule()
             if not sched.is_empty or sched.finished_req_ids:

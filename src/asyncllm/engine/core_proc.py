@@ -50,7 +50,7 @@ def _watch_parent() -> None:
 
 
 class _Stop(Exception):
-    pass
+    """SIGTERM or SIGINT arrived: leave the busy loop and exit in order."""
 
 
 class _Reported(Exception):

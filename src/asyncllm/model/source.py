@@ -90,7 +90,7 @@ def download_from_hub(repo_id: str, revision: str | None = None) -> Path:
             )
         )
     except (LocalEntryNotFoundError, FileNotFoundError, OSError):
-        pass
+        pass  # not cached: try the hub below, unless offline
     if huggingface_hub.is_offline_mode():
         raise OSError(
             f"model {repo_id!r} is not a local path and not in the Hugging Face cache, "

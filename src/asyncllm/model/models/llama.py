@@ -224,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    pass
+    """Llama's layout; the sliding window comes from the config."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
