@@ -1,34 +1,143 @@
 """Paged attention for a flat batch of query chunks, in one launch.
 
-One program per (query token, KV head) computes attention for the query heads that
-share that KV head (GQA/MQA, any group size), walking the sequence's block table with
-an online softmax in float32. A decode is a chunk of one token; a prefill chunk may
-follow tokens already cached. Causal masking, optional sliding window and logit
-soft-cap. The grid depends only on the number of tokens and heads.
+The batch is a list of chunks, one per sequence: a decode is a chunk of one token, a
+prefill chunk may follow tokens already in the cache. Keys and values are read from a
+paged cache `[num_blocks, block_size, num_kv_heads, head_size]` through each
+sequence's block table.
 
-This is the first, straightforward version: correct everywhere (tested under the
-interpreter against `paged_attention_ref`), not yet tuned (no KV split for small
-batches, no tensor-core tiles).
+Work split. A program owns one *query tile* of one KV head: `BLOCK_Q` consecutive
+tokens of one sequence times the `GROUP` query heads that share the KV head, flattened
+into `BLOCK_M = BLOCK_Q * GROUP` (padded) rows, so every group size (1, 2, 3, 4, 8, ...)
+feeds the tensor cores and each K/V tile is loaded once for the whole group. It walks
+the keys in tiles of `BLOCK_N` (gathered from the block table), with an online softmax
+in float32 (base 2). Tiles that are fully visible to every row skip the mask.
+
+The tile grid has `num_tokens // BLOCK_Q + num_seqs` rows, an upper bound on the tiles
+any batch of that size needs; a program finds its sequence by binary search over
+`query_start_loc` and exits when its tile is past the end of its chunk. For small
+batches the keys of each sequence are also split into `NUM_SPLITS` parts (flash-decoding)
+whose partial results a second kernel merges. The grid, the split count and the tile
+sizes depend only on the tensor shapes (the padded batch of a CUDA-graph bucket) and
+on whether the batch is decode-only; per-step values (lengths, positions, tables) are
+read from device memory, so a captured launch stays right when replayed with new ones.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+LOG2E = tl.constexpr(1.4426950408889634)
+
 
 @triton.jit
+def _find_seq(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """Largest sequence i with query_start[i] // BLOCK_Q + i <= tile."""
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first_tile = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _attend_tiles(
+    acc,
+    m,
+    l_sum,
+    q,
+    q_pos,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    kv_begin,
+    kv_end,
+    tile_lo,
+    tile_hi,
+    qk_scale,
+    soft_cap,
+    window,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    d,
+    d_ok,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_CAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    n = tl.arange(0, BLOCK_N)
+    for j in range(tile_lo, tile_hi):
+        kpos = kv_begin + j * BLOCK_N + n
+        if MASKED:
+            k_ok = kpos < kv_end
+            block = tl.load(table_ptr + kpos // BLOCK_SIZE, mask=k_ok, other=0)
+        else:
+            block = tl.load(table_ptr + kpos // BLOCK_SIZE)
+        slot = kpos % BLOCK_SIZE
+        k_off = block.to(tl.int64) * stride_kb + slot * stride_ks
+        v_off = block.to(tl.int64) * stride_vb + slot * stride_vs
+        if MASKED or HEAD != HEAD_PAD:
+            if MASKED:
+                kt_mask = k_ok[None, :] & d_ok[:, None]
+                v_mask = k_ok[:, None] & d_ok[None, :]
+            else:
+                kt_mask = d_ok[:, None]
+                v_mask = d_ok[None, :]
+            kt = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=kt_mask, other=0.0)
+            v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=v_mask, other=0.0)
+        else:
+            kt = tl.load(k_ptr + k_off[None, :] + d[:, None])
+            v = tl.load(v_ptr + v_off[:, None] + d[None, :])
+        s = tl.dot(q, kt, input_precision=PRECISION)
+        if USE_CAP:
+            x = s * (qk_scale / soft_cap)
+            s = soft_cap * LOG2E * (2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0)  # cap * tanh(x)
+        else:
+            s = s * (qk_scale * LOG2E)
+        if MASKED:
+            visible = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                visible = visible & (kpos[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        alpha = tl.exp2(m - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    return acc, m, l_sum
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
+    k_ptr,
+    v_ptr,
     out_ptr,
+    part_ptr,
+    stat_ptr,
     block_table_ptr,
     seq_lens_ptr,
     query_start_ptr,
-    token_seq_ptr,
-    scale,
+    num_seqs,
+    qk_scale,
     soft_cap,
     window,
     stride_qt,
@@ -38,65 +147,175 @@ def _paged_attention_kernel(
     stride_kb,
     stride_ks,
     stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
     stride_bt,
+    NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     HEAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     USE_CAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # Last tiles first: in a causal chunk they see the most keys (longest work first).
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_seq(query_start_ptr, num_seqs, tile, BLOCK_Q)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    local = tile - (q_start // BLOCK_Q + seq)
+    if local * BLOCK_Q >= q_len:
+        return
+    context = tl.load(seq_lens_ptr + seq) - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = local * BLOCK_Q + rows // GROUP  # token index within the chunk
+    head = kvh * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD
+    q_rows = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(
+        q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
+    )
+    q_pos = context + tok
+
+    # Keys this tile may see: up to its last token, from its first token's window.
+    first_pos = context + local * BLOCK_Q
+    kv_end = context + tl.minimum(local * BLOCK_Q + BLOCK_Q, q_len)
+    kv_begin = 0
+    if USE_WINDOW:
+        kv_begin = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+    num_tiles = tl.cdiv(kv_end - kv_begin, BLOCK_N)
+    if USE_WINDOW:
+        num_full = 0
+    else:
+        num_full = (first_pos + 1 - kv_begin) // BLOCK_N  # every row sees all of them
+    tile_lo = 0
+    tile_hi = num_tiles
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_lo = tl.minimum(split * per_split, num_tiles)
+        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+    table = block_table_ptr + seq.to(tl.int64) * stride_bt
+    acc, m, l_sum = _attend_tiles(
+        acc, m, l_sum, q, q_pos, k_base, v_base, table, kv_begin, kv_end,
+        tile_lo, tl.minimum(tile_hi, num_full), qk_scale, soft_cap, window,
+        stride_kb, stride_ks, stride_vb, stride_vs, d, d_ok,
+        BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, False, USE_CAP, USE_WINDOW, PRECISION,
+    )  # fmt: skip
+    acc, m, l_sum = _attend_tiles(
+        acc, m, l_sum, q, q_pos, k_base, v_base, table, kv_begin, kv_end,
+        tl.maximum(tile_lo, num_full), tile_hi, qk_scale, soft_cap, window,
+        stride_kb, stride_ks, stride_vb, stride_vs, d, d_ok,
+        BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, True, USE_CAP, USE_WINDOW, PRECISION,
+    )  # fmt: skip
+
+    token = (q_start + tok).to(tl.int64)
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+        o_rows = token * stride_ot + head * stride_oh
+        tl.store(
+            out_ptr + o_rows[:, None] + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        at = (token * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(part_ptr + at[:, None] * HEAD_PAD + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(stat_ptr + at * 2, m, mask=row_ok)
+        tl.store(stat_ptr + at * 2 + 1, l_sum, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _merge_splits_kernel(
+    out_ptr,
+    part_ptr,
+    stat_ptr,
+    query_start_ptr,
+    num_seqs,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     t = tl.program_id(0)
-    kvh = tl.program_id(1)
-    seq = tl.load(token_seq_ptr + t)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    q_end = tl.load(query_start_ptr + seq + 1)
-    q_pos = seq_len - (q_end - t)  # absolute position of this query token
-
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, HEAD)
-    g_mask = g < GROUP
-    heads = kvh * GROUP + g
-    q = tl.load(
-        q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=g_mask[:, None],
-        other=0.0,
-    )
-    q = q.to(tl.float32)
-
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_sum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD], tl.float32)
-    s = tl.arange(0, BLOCK_SIZE)
-    first = 0
-    if USE_WINDOW:
-        first = tl.maximum(q_pos - window + 1, 0) // BLOCK_SIZE
-    last = q_pos // BLOCK_SIZE + 1
-    for b in tl.range(first, last):
-        block = tl.load(block_table_ptr + seq * stride_bt + b)
-        kpos = b * BLOCK_SIZE + s
-        offs = block * stride_kb + s[:, None] * stride_ks + kvh * stride_kh + d[None, :]
-        k = tl.load(k_cache_ptr + offs).to(tl.float32)
-        v = tl.load(v_cache_ptr + offs).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_G, BLOCK_SIZE]
-        if USE_CAP:
-            scores = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * scores / soft_cap)) - 1.0)  # cap * tanh
-        visible = kpos <= q_pos
-        if USE_WINDOW:
-            visible = visible & (kpos > q_pos - window)
-        scores = tl.where(visible[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m = m_new
-    out = acc / l_sum[:, None]
+    h = tl.program_id(1)
+    if t >= tl.load(query_start_ptr + num_seqs):
+        return  # a padding token
+    sp = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, HEAD_PAD)
+    at = (t.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS + sp
+    m = tl.load(stat_ptr + at * 2)
+    l_sum = tl.load(stat_ptr + at * 2 + 1)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
+    denom = tl.sum(l_sum * w, axis=0)
+    part = tl.load(part_ptr + at[:, None] * HEAD_PAD + d[None, :])
+    out = tl.sum(part * w[:, None], axis=0) / denom
     tl.store(
-        out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
+        out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d,
         out.to(out_ptr.dtype.element_ty),
-        mask=g_mask[:, None],
+        mask=d < HEAD,
     )
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile sizes and launch shape, chosen from shapes ahead of time (no autotuning)."""
+
+    block_m: int
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_config(
+    num_seqs: int,
+    num_kv_heads: int,
+    group: int,
+    head_size: int,
+    decode_only: bool,
+    device: torch.device,
+    num_splits: int | None = None,
+) -> AttentionConfig:
+    """Decode-only batches (every chunk one token) use 16-row tiles and, when the batch
+    gives too few programs to fill the GPU, split each sequence's keys; other batches
+    use large tiles for the tensor cores. Depends only on the (padded) batch shape."""
+    head_pad = triton.next_power_of_2(head_size)
+    if decode_only:
+        block_m = max(16, triton.next_power_of_2(group))
+        block_n = 64 if head_pad <= 128 else 32
+        if num_splits is None:
+            sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
+            programs = max(num_seqs * num_kv_heads, 1)
+            num_splits = min(triton.next_power_of_2(-(-2 * sms // programs)), 128)
+        return AttentionConfig(block_m, block_n, num_splits, num_warps=4, num_stages=3)
+    block_m = max(128 if head_pad <= 128 else 64, triton.next_power_of_2(group))
+    block_n = 64 if head_pad <= 128 else 32
+    return AttentionConfig(block_m, block_n, num_splits or 1, num_warps=8, num_stages=3)
 
 
 def paged_attention(
@@ -106,29 +325,50 @@ def paged_attention(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
-    token_seq: torch.Tensor,
     scale: float,
+    *,
+    max_query_len: int,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    out: torch.Tensor | None = None,
+    config: AttentionConfig | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; block_table: [S, max_blocks];
-    seq_lens: [S] (context + chunk); query_start_loc: [S + 1]; token_seq: [T] sequence of
-    each token. Returns [T, Hq, D]. The caches must already hold this step's K/V."""
+    seq_lens: [S] (context + chunk); query_start_loc: [S + 1]. Returns [T, Hq, D].
+
+    The caches must already hold this step's K/V. Tokens past `query_start_loc[S]` (graph
+    padding) are not written. `max_query_len` only picks the tile shape (1: decode-only);
+    padded sequences have a chunk of length 0. Float32 inputs use IEEE float32 dots."""
     T, Hq, D = q.shape
     _, block_size, Hkv, _ = key_cache.shape
+    if Hq % Hkv:
+        raise ValueError(f"num_heads {Hq} is not a multiple of num_kv_heads {Hkv}")
     group = Hq // Hkv
-    out = torch.empty_like(q)
-    if T == 0:
+    S = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if T == 0 or S == 0:
         return out
-    _paged_attention_kernel[(T, Hkv)](
+    cfg = config or choose_config(S, Hkv, group, D, max_query_len <= 1, q.device)
+    head_pad = triton.next_power_of_2(D)
+    block_q = cfg.block_m // group
+    if cfg.num_splits > 1:
+        part = torch.empty(T * Hq * cfg.num_splits * head_pad, device=q.device, dtype=torch.float32)
+        stat = torch.empty(T * Hq * cfg.num_splits * 2, device=q.device, dtype=torch.float32)
+    else:
+        part = stat = out  # not read
+    grid = (T // block_q + S, Hkv, cfg.num_splits)
+    _paged_attention_kernel[grid](
         q,
         key_cache,
         value_cache,
         out,
+        part,
+        stat,
         block_table,
         seq_lens,
         query_start_loc,
-        token_seq,
+        S,
         scale,
         soft_cap or 1.0,
         sliding_window or 0,
@@ -139,14 +379,40 @@ def paged_attention(
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_table.stride(0),
+        NUM_HEADS=Hq,
         GROUP=group,
-        BLOCK_G=max(triton.next_power_of_2(group), 1),
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=cfg.block_n,
         HEAD=D,
+        HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size,
+        NUM_SPLITS=cfg.num_splits,
         USE_CAP=soft_cap is not None,
         USE_WINDOW=sliding_window is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
+    if cfg.num_splits > 1:
+        _merge_splits_kernel[(T, Hq)](
+            out,
+            part,
+            stat,
+            query_start_loc,
+            S,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=Hq,
+            HEAD=D,
+            HEAD_PAD=head_pad,
+            NUM_SPLITS=cfg.num_splits,
+            num_warps=4,
+        )
     return out
 
 

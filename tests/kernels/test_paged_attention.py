@@ -1,66 +1,76 @@
-"""The paged attention kernel against its torch reference: chunks after cached context,
-decodes, GQA group sizes 1-8 (not only powers of two), sliding window, soft-cap."""
+"""The paged attention kernel against its torch reference, under the interpreter on CPU:
+chunks after cached context, decodes, GQA group sizes 1-8 (not only powers of two),
+sliding window, soft-cap, the KV split with its merge, padded batches."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from asyncllm_kernels.paged_attention import paged_attention, paged_attention_ref
+from asyncllm_kernels.paged_attention import (
+    AttentionConfig,
+    paged_attention,
+    paged_attention_ref,
+)
+from tests.kernels.attention_cases import make_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MIXED = [(1, 37), (5, 5), (17, 50), (1, 1), (20, 200)]  # (query length, total length)
+DECODES = [(1, 37), (1, 1), (1, 130), (1, 64)]
 
 
-def _case(group, dtype, block_size=16, head=64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    Hkv = 2
-    seqs = [(1, 37), (5, 5), (17, 50), (1, 1)]  # (query len, total len)
-    num_blocks = 32
-    perm = torch.randperm(num_blocks, generator=g)
-    tables, used = [], 0
-    for _, n in seqs:
-        nb = -(-n // block_size)
-        tables.append(perm[used : used + nb].tolist())
-        used += nb
-    width = max(map(len, tables))
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    kc = torch.randn(num_blocks, block_size, Hkv, head, generator=g).to(dtype)
-    vc = torch.randn(num_blocks, block_size, Hkv, head, generator=g).to(dtype)
-    qlens = [q for q, _ in seqs]
-    qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
-    q = torch.randn(int(qsl[-1]), Hkv * group, head, generator=g).to(dtype)
-    token_seq = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(qlens)).to(
-        torch.int32
-    )
-    seq_lens = torch.tensor([n for _, n in seqs], dtype=torch.int32)
-    to = lambda *ts: [t.to(DEVICE) for t in ts]  # noqa: E731
-    return to(q, kc, vc, bt, seq_lens, qsl, token_seq)
+def _check(case, dtype, **kw):
+    got = paged_attention(*case.args(), scale=0.125, max_query_len=case.max_query_len, **kw)
+    kw.pop("config", None)
+    want = paged_attention_ref(*case.args(), scale=0.125, **kw)
+    n = case.num_tokens
+    tol = 1e-4 if dtype == torch.float32 else 5e-3
+    torch.testing.assert_close(got[:n].float(), want[:n].float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_matches_reference(group, dtype):
-    q, kc, vc, bt, sl, qsl, ts = _case(group, dtype)
-    got = paged_attention(q, kc, vc, bt, sl, qsl, ts, scale=0.125)
-    want = paged_attention_ref(q, kc, vc, bt, sl, qsl, scale=0.125)
-    tol = 1e-4 if dtype == torch.float32 else 5e-3
-    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+def test_mixed_batch(group, dtype):
+    _check(make_case(MIXED, 2, group, 64, 16, dtype, DEVICE, seed=group), dtype)
+
+
+@pytest.mark.parametrize("group,splits", [(2, 1), (2, 4), (3, 2), (8, 8)])
+def test_decode_batch_with_kv_split(group, splits):
+    case = make_case(DECODES, 2, group, 64, 16, torch.float32, DEVICE, seed=splits)
+    config = AttentionConfig(block_m=16, block_n=16, num_splits=splits, num_warps=4, num_stages=1)
+    _check(case, torch.float32, config=config)
 
 
 @pytest.mark.parametrize("window,cap", [(20, None), (None, 10.0), (7, 30.0)])
 def test_window_and_soft_cap(window, cap):
-    q, kc, vc, bt, sl, qsl, ts = _case(2, torch.float32, seed=1)
-    got = paged_attention(
-        q, kc, vc, bt, sl, qsl, ts, scale=0.125, sliding_window=window, soft_cap=cap
-    )
-    want = paged_attention_ref(
-        q, kc, vc, bt, sl, qsl, scale=0.125, sliding_window=window, soft_cap=cap
-    )
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    case = make_case(MIXED, 2, 2, 64, 16, torch.float32, DEVICE, seed=1)
+    _check(case, torch.float32, sliding_window=window, soft_cap=cap)
 
 
-def test_block_size_32_and_head_128():
-    q, kc, vc, bt, sl, qsl, ts = _case(2, torch.float32, block_size=32, head=128, seed=2)
-    got = paged_attention(q, kc, vc, bt, sl, qsl, ts, scale=128**-0.5)
-    want = paged_attention_ref(q, kc, vc, bt, sl, qsl, scale=128**-0.5)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+def test_split_with_window():
+    case = make_case(DECODES, 2, 2, 64, 16, torch.float32, DEVICE, seed=5)
+    config = AttentionConfig(block_m=16, block_n=16, num_splits=4, num_warps=4, num_stages=1)
+    _check(case, torch.float32, config=config, sliding_window=40)
+
+
+def test_block_size_32_head_128_small_tiles():
+    case = make_case(MIXED, 2, 2, 128, 32, torch.float32, DEVICE, seed=2)
+    config = AttentionConfig(block_m=16, block_n=32, num_splits=1, num_warps=4, num_stages=1)
+    _check(case, torch.float32, config=config)
+
+
+def test_head_not_power_of_two():
+    _check(make_case(MIXED, 1, 2, 80, 16, torch.float32, DEVICE, seed=3), torch.float32)
+
+
+def test_padded_batch_leaves_padding_alone():
+    """Empty sequences and rows past the last chunk (a padded graph batch) are skipped."""
+    case = make_case(DECODES, 2, 2, 64, 16, torch.float32, DEVICE, pad_seqs=3, pad_tokens=3)
+    for splits in (1, 2):
+        out = torch.full_like(case.q, 7.0)
+        config = AttentionConfig(16, 16, splits, 4, 1)
+        paged_attention(*case.args(), scale=0.125, max_query_len=1, out=out, config=config)
+        assert torch.all(out[case.num_tokens :] == 7.0)
+        want = paged_attention_ref(*case.args(), scale=0.125)
+        n = case.num_tokens
+        torch.testing.assert_close(out[:n], want[:n], atol=1e-4, rtol=1e-4)
