@@ -108,17 +108,18 @@ def _attend_tiles(
         if USE_CAP:
             x = s * (qk_scale / soft_cap)
             s = soft_cap * LOG2E * (2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0)  # cap * tanh(x)
+            s_scale = 1.0
         else:
-            s = s * (qk_scale * LOG2E)
+            s_scale = qk_scale * LOG2E  # folded into the exponent's FMA below
         if MASKED:
             visible = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
             if USE_WINDOW:
                 visible = visible & (kpos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_new = tl.maximum(m, tl.max(s, axis=1) * s_scale)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
         alpha = tl.exp2(m - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
+        p = tl.exp2(s * s_scale - m_ref[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
@@ -306,15 +307,16 @@ def choose_config(
     use large tiles for the tensor cores. Depends only on the (padded) batch shape."""
     head_pad = triton.next_power_of_2(head_size)
     if decode_only:
+        # Enough (sequence, KV head, split) programs for one per SM.
         block_m = max(16, triton.next_power_of_2(group))
-        block_n = 64 if head_pad <= 128 else 32
+        block_n = 128 if head_pad <= 128 else 64
         if num_splits is None:
             sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
             programs = max(num_seqs * num_kv_heads, 1)
-            num_splits = min(triton.next_power_of_2(-(-2 * sms // programs)), 128)
-        return AttentionConfig(block_m, block_n, num_splits, num_warps=4, num_stages=3)
+            num_splits = min(triton.next_power_of_2(-(-sms // programs)), 128)
+        return AttentionConfig(block_m, block_n, num_splits, num_warps=8, num_stages=3)
     block_m = max(128 if head_pad <= 128 else 64, triton.next_power_of_2(group))
-    block_n = 64 if head_pad <= 128 else 32
+    block_n = 128 if head_pad <= 128 else 64
     return AttentionConfig(block_m, block_n, num_splits or 1, num_warps=8, num_stages=3)
 
 
