@@ -39,6 +39,7 @@ from asyncllm.config import resolve_device, resolve_dtype
         ({"num_gpu_blocks_override": 0}, ValueError, "num_gpu_blocks_override"),
         ({"long_prefill_token_threshold": -1}, ValueError, "long_prefill_token_threshold"),
         ({"max_logprobs": -1}, ValueError, "max_logprobs"),
+        ({"attention_backend": "flash"}, ValueError, "attention_backend"),
         (
             {"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 128},
             ValueError,
@@ -72,3 +73,8 @@ def test_max_model_len_beyond_the_model_is_rejected(smollm_config):
     with pytest.raises(ValueError, match="max_model_len 100000 exceeds"):
         EngineArgs(max_model_len=100_000, device="cpu").create_model_config()
     assert EngineArgs(max_model_len=512, device="cpu").create_model_config().max_model_len == 512
+
+
+def test_triton_attention_needs_cuda(smollm_config):
+    with pytest.raises(ValueError, match="attention_backend 'triton' needs a CUDA device"):
+        EngineArgs(device="cpu", attention_backend="triton").create_engine_config()

@@ -300,21 +300,29 @@ def choose_config(
     head_size: int,
     decode_only: bool,
     device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
     num_splits: int | None = None,
 ) -> AttentionConfig:
     """Decode-only batches (every chunk one token) use 16-row tiles and, when the batch
     gives too few programs to fill the GPU, split each sequence's keys; other batches
-    use large tiles for the tensor cores. Depends only on the (padded) batch shape."""
+    use large tiles for the tensor cores. Depends only on the (padded) batch shape and
+    dtype. Float32 (IEEE dots, for reference checks) gets smaller tiles to fit in
+    shared memory and registers. The 16-bit choices come from the H200 sweep in
+    benchmarks/kernels/bench_attention.py."""
     head_pad = triton.next_power_of_2(head_size)
+    wide = dtype == torch.float32
     if decode_only:
         # Enough (sequence, KV head, split) programs for one per SM.
         block_m = max(16, triton.next_power_of_2(group))
-        block_n = 128 if head_pad <= 128 else 64
+        block_n = (128 if head_pad <= 128 else 64) // (2 if wide else 1)
         if num_splits is None:
             sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
             programs = max(num_seqs * num_kv_heads, 1)
             num_splits = min(triton.next_power_of_2(-(-sms // programs)), 128)
         return AttentionConfig(block_m, block_n, num_splits, num_warps=8, num_stages=3)
+    if wide:
+        block_m = max(64 if head_pad <= 128 else 32, triton.next_power_of_2(group))
+        return AttentionConfig(block_m, 32, num_splits or 1, num_warps=8, num_stages=2)
     block_m = max(128 if head_pad <= 128 else 64, triton.next_power_of_2(group))
     block_n = 128 if head_pad <= 128 else 64
     return AttentionConfig(block_m, block_n, num_splits or 1, num_warps=8, num_stages=3)
@@ -351,7 +359,7 @@ def paged_attention(
         out = torch.empty_like(q)
     if T == 0 or S == 0:
         return out
-    cfg = config or choose_config(S, Hkv, group, D, max_query_len <= 1, q.device)
+    cfg = config or choose_config(S, Hkv, group, D, max_query_len <= 1, q.device, q.dtype)
     head_pad = triton.next_power_of_2(D)
     block_q = cfg.block_m // group
     if cfg.num_splits > 1:

@@ -106,9 +106,11 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False
     max_logprobs: int = 20
+    attention_backend: str | None = None
 
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+ATTENTION_BACKENDS = (None, "triton", "torch_native")
 
 
 def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
@@ -155,6 +157,7 @@ class EngineArgs:
     logits_processors: list[str] | None = None
     max_logprobs: int = 20
     max_waiting_requests: int | None = None
+    attention_backend: str | None = None  # "triton" (CUDA) or "torch_native"; None: by device
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str | os.PathLike):
@@ -214,6 +217,11 @@ class EngineArgs:
                 "tensor_parallel_size and pipeline_parallel_size above 1 need the multiprocess "
                 "executor, which this version does not have yet"
             )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
         backend = self.distributed_executor_backend
         if backend not in (None, "uni") and not (isinstance(backend, str) and ":" in backend):
             raise ValueError(
@@ -272,6 +280,8 @@ class EngineArgs:
         for path in self.logits_processors or []:
             load_logits_processor_class(path)  # fail here, with the path named
         model = self.create_model_config()
+        if self.attention_backend == "triton" and model.device.type != "cuda":
+            raise ValueError(f"attention_backend 'triton' needs a CUDA device, got {model.device}")
         batched = self.max_num_batched_tokens
         if batched is None:
             batched = 2048 if self.enable_chunked_prefill else max(2048, model.max_model_len)
@@ -310,4 +320,5 @@ class EngineArgs:
             skip_tokenizer_init=self.skip_tokenizer_init,
             enforce_eager=self.enforce_eager,
             max_logprobs=self.max_logprobs,
+            attention_backend=self.attention_backend,
         )

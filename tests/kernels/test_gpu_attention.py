@@ -47,10 +47,20 @@ def _draw(seed: int) -> dict:
 
 @pytest.mark.parametrize("seed", range(50))
 def test_random_case_bf16(seed):
+    _check_random_case(seed, torch.bfloat16, 1e-2)
+
+
+@pytest.mark.parametrize("seed", [100, 105, 110, 111, 116, 126])
+def test_random_case_float32_ieee(seed):
+    """Float32 inputs use IEEE dots: as exact as the reference, up to summation order."""
+    _check_random_case(seed, torch.float32, 1e-5)
+
+
+def _check_random_case(seed: int, dtype: torch.dtype, tol: float) -> None:
     p = _draw(seed)
     case = make_case(
         p["seqs"], p["num_kv_heads"], p["group"], p["head_size"], p["block_size"],
-        torch.bfloat16, "cuda", seed=seed, pad_seqs=seed % 3, pad_tokens=seed % 2,
+        dtype, "cuda", seed=seed, pad_seqs=seed % 3, pad_tokens=seed % 2,
     )  # fmt: skip
     scale = p["head_size"] ** -0.5
     out = torch.full_like(case.q, float("nan"))
@@ -66,7 +76,7 @@ def test_random_case_bf16(seed):
         scale=scale, sliding_window=p["window"], soft_cap=p["cap"],
     )  # fmt: skip
     err = rel_err(out[:n], want[:n])
-    assert err <= 1e-2, f"{p['seqs'][:4]}... {p} rel err {err:.2e}"
+    assert err <= tol, f"{p['seqs'][:4]}... {p} rel err {err:.2e}"
 
 
 @pytest.mark.parametrize("decode", [True, False])

@@ -30,8 +30,17 @@ def step_seed(seed: int, position: int) -> int:
     return (seed * _SEED_MIX + position * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
 
 
-def select_attention_backend(device: torch.device) -> AttentionBackend:
-    return TorchNativeBackend()
+def select_attention_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
+    """Triton kernels on CUDA, plain torch elsewhere (and on request, as the reference)."""
+    if name is None:
+        name = "triton" if device.type == "cuda" else "torch_native"
+    if name == "torch_native":
+        return TorchNativeBackend()
+    if device.type != "cuda":
+        raise ValueError(f"attention_backend 'triton' needs a CUDA device, got {device}")
+    from asyncllm.model.attention.triton_attn import TritonAttentionBackend  # imports triton
+
+    return TritonAttentionBackend()
 
 
 class ModelRunner:
@@ -42,7 +51,7 @@ class ModelRunner:
         self.dtype = mc.dtype
         self.block_size = config.cache.block_size
         self.max_model_len = mc.max_model_len
-        self.backend = select_attention_backend(self.device)
+        self.backend = select_attention_backend(self.device, config.attention_backend)
         self.input_batch = InputBatch(
             config.scheduler.max_num_seqs,
             self.max_model_len,

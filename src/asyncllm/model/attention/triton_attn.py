@@ -1,0 +1,75 @@
+"""Paged attention through the Triton kernels: the default on CUDA.
+
+Per layer, two launches: `reshape_and_cache` writes the step's K/V into the paged
+cache, then one `paged_attention` launch (plus a merge launch when the keys are split)
+covers the whole batch, prefill chunks and decodes alike. The metadata is the device
+tensors of `CommonAttentionMetadata` as they are; nothing per step is a Python value
+inside a launch, apart from the decode-only flag that picks the tile shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from asyncllm.model.attention.backend import (
+    AttentionBackend,
+    AttentionLayerSpec,
+    CommonAttentionMetadata,
+)
+from asyncllm_kernels.elementwise import reshape_and_cache
+from asyncllm_kernels.paged_attention import paged_attention
+
+
+@dataclass
+class TritonAttentionMetadata:
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    seq_lens: torch.Tensor  # [S] int32
+    block_table: torch.Tensor  # [S, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64, negative: not written
+    max_query_len: int
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def build_metadata(
+        self, common: CommonAttentionMetadata, block_size: int
+    ) -> TritonAttentionMetadata:
+        return TritonAttentionMetadata(
+            query_start_loc=common.query_start_loc.to(torch.int32),
+            seq_lens=common.seq_lens.to(torch.int32),
+            block_table=common.block_table.to(torch.int32),
+            slot_mapping=common.slot_mapping.to(torch.int64),
+            max_query_len=common.max_query_len,
+        )
+
+    def forward(
+        self,
+        spec: AttentionLayerSpec,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+    ) -> torch.Tensor:
+        md = metadata
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        n = md.slot_mapping.shape[0]
+        reshape_and_cache(
+            k[:n].to(key_cache.dtype), v[:n].to(value_cache.dtype), key_cache, value_cache,
+            md.slot_mapping,
+        )  # fmt: skip
+        return paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            md.block_table,
+            md.seq_lens,
+            md.query_start_loc,
+            spec.scale,
+            max_query_len=md.max_query_len,
+            sliding_window=spec.sliding_window,
+            soft_cap=spec.logits_soft_cap,
+        )
