@@ -15,6 +15,11 @@ os.environ.setdefault("ASYNCLLM_CACHE", str(ROOT / ".cache" / "asyncllm-test"))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if not torch.cuda.is_available():
+    # Triton kernels run under the interpreter; `triton.jit` reads this when a kernel
+    # module is imported, so it must be set before any test imports one.
+    os.environ["TRITON_INTERPRET"] = "1"
+
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 

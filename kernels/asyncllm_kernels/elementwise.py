@@ -85,7 +85,9 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * n_cols + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         x += tl.load(residual_ptr + row * n_cols + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(residual_ptr + row * n_cols + offs, x.to(residual_ptr.dtype.element_ty), mask=mask)
+        x = x.to(residual_ptr.dtype.element_ty)  # the sum is rounded, as in the models
+        tl.store(residual_ptr + row * n_cols + offs, x, mask=mask)
+        x = x.to(tl.float32)
     var = tl.sum(x * x, axis=0) / n_cols
     y = x * tl.math.rsqrt(var + eps)
     # Cast back before scaling, as the reference models do.

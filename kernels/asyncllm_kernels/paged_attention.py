@@ -421,7 +421,7 @@ def paged_attention(
             HEAD=D,
             HEAD_PAD=head_pad,
             NUM_SPLITS=cfg.num_splits,
-            num_warps=4,
+            num_warps=8 if cfg.num_splits * head_pad >= 8192 else 4,
         )
     return out
 

@@ -1,4 +1,8 @@
-"""RMSNorm, with the residual add fused in when a residual is passed."""
+"""RMSNorm, with the residual add fused in when a residual is passed.
+
+On CUDA one Triton kernel does the add, the norm and the scaling (the residual is
+updated in place); elsewhere plain torch.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +27,17 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`norm(x)`, or with a residual: `(norm(x + residual), x + residual)`."""
+        if x.is_cuda:
+            from asyncllm_kernels.elementwise import rms_norm
+
+            shape = x.shape
+            x2 = x.reshape(-1, shape[-1])
+            if residual is None:
+                return rms_norm(x2, self.weight, self.eps).view(shape)
+            if not residual.is_contiguous():
+                residual = residual.contiguous()
+            out = rms_norm(x2, self.weight, self.eps, residual.view(-1, shape[-1]))
+            return out.view(shape), residual
         if residual is None:
             return self._norm(x)
         x = x + residual

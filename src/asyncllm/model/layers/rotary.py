@@ -119,7 +119,15 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq * D] or [T, Hq, D]; k likewise. Returns rotated copies, same shapes."""
+        """q: [T, Hq * D] or [T, Hq, D]; k likewise. Returns them rotated, same shapes
+        (on CUDA rotated in place by one Triton kernel; elsewhere new tensors)."""
+        if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
+            from asyncllm_kernels.rotary import apply_rotary_
+
+            q3 = q.view(q.shape[0], -1, self.head_size)
+            k3 = k.view(k.shape[0], -1, self.head_size)
+            apply_rotary_(positions, q3, k3, self.cos_sin_cache, self.is_neox_style)
+            return q, k
         cos, sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype).chunk(2, dim=-1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q_shape, k_shape = q.shape, k.shape
