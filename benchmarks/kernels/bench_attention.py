@@ -105,6 +105,49 @@ def prefill_row(batch, seq, config=None):
     return dict(kind="prefill", batch=batch, ctx=seq, us=us, tflops=flops / us / 1e6)
 
 
+def mixed_row(decodes: int, ctx: int, chunk: int, two_launches: bool) -> dict:
+    """`decodes` sequences decoding at `ctx`, plus one prefill chunk of `chunk` tokens
+    ending at `ctx`: the batch a chunked-prefill step gives."""
+    rotations = 4
+    blocks_per_seq = -(-ctx // BS)
+    seqs = decodes + 1
+    total = seqs * blocks_per_seq * rotations
+    kc = torch.randn(total, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    tables = torch.randperm(total, device="cuda").to(torch.int32)
+    tables = tables.view(rotations, seqs, blocks_per_seq)
+    seq_lens = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
+    q_lens = torch.tensor([1] * decodes + [chunk], dtype=torch.int32)
+    qsl = torch.zeros(seqs + 1, dtype=torch.int32)
+    qsl[1:] = q_lens.cumsum(0)
+    qsl = qsl.cuda()
+    T = decodes + chunk
+    qs = [torch.randn(T, HQ, D, device="cuda", dtype=torch.bfloat16) for _ in range(rotations)]
+    outs = [torch.empty_like(q) for q in qs]
+    fns = [
+        (
+            lambda i=i: paged_attention(
+                qs[i],
+                kc,
+                vc,
+                tables[i],
+                seq_lens,
+                qsl,
+                D**-0.5,
+                max_query_len=chunk,
+                has_decodes=two_launches,
+                out=outs[i],
+            )
+        )  # fmt: skip
+        for i in range(rotations)
+    ]
+    us = graph_time_us(fns)
+    moved = seqs * ctx * HKV * D * 2 * 2 + 2 * T * HQ * D * 2
+    floor = moved / COPY_BW * 1e6
+    return dict(kind="mixed", batch=decodes, ctx=ctx, chunk=chunk, two_launches=two_launches,
+                us=us, floor_us=floor, ratio=floor / us)  # fmt: skip
+
+
 def sdpa_prefill(batch, seq):
     q = torch.randn(batch, HQ, seq, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, HKV, seq, D, device="cuda", dtype=torch.bfloat16)
@@ -153,6 +196,11 @@ def main() -> None:
                         continue
                     r = decode_row(batch, ctx, alt)
                     print(f"   sweep {alt}: {r['us']:9.1f} us ratio {r['ratio']:.2f}", flush=True)
+    for two in (False, True):
+        row = mixed_row(64, 4096, 512, two)
+        rows.append(row)
+        print(f"mixed 64 decodes + 512-token chunk at 4k, {'two launches' if two else 'one launch'}:"
+              f" {row['us']:8.1f} us  bandwidth floor {row['floor_us']:.1f}", flush=True)  # fmt: skip
     if not args.no_prefill:
         row = prefill_row(4, 4096)
         row["target_tflops"] = 300

@@ -164,6 +164,7 @@ def _paged_attention_kernel(
     USE_CAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
+    SEQ_FILTER: tl.constexpr,
 ):
     # Last tiles first: in a causal chunk they see the most keys (longest work first).
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -175,6 +176,10 @@ def _paged_attention_kernel(
     local = tile - (q_start // BLOCK_Q + seq)
     if local * BLOCK_Q >= q_len:
         return
+    if SEQ_FILTER == 1 and q_len != 1:
+        return  # a longer chunk: the other launch's
+    if SEQ_FILTER == 2 and q_len == 1:
+        return  # a decode: the other launch's
     context = tl.load(seq_lens_ptr + seq) - q_len
 
     rows = tl.arange(0, BLOCK_M)
@@ -255,11 +260,23 @@ def _merge_splits_kernel(
     HEAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    DECODES_ONLY: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
     if t >= tl.load(query_start_ptr + num_seqs):
         return  # a padding token
+    if DECODES_ONLY:  # the batch is mixed: skip tokens of longer chunks
+        lo = 0
+        hi = num_seqs - 1
+        while lo < hi:  # the last sequence starting at or before t holds t
+            mid = (lo + hi + 1) // 2
+            if tl.load(query_start_ptr + mid) <= t:
+                lo = mid
+            else:
+                hi = mid - 1
+        if tl.load(query_start_ptr + lo + 1) - tl.load(query_start_ptr + lo) != 1:
+            return
     sp = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, HEAD_PAD)
     at = (t.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS + sp
@@ -338,6 +355,7 @@ def paged_attention(
     scale: float,
     *,
     max_query_len: int,
+    has_decodes: bool = False,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,
@@ -347,10 +365,13 @@ def paged_attention(
     seq_lens: [S] (context + chunk); query_start_loc: [S + 1]. Returns [T, Hq, D].
 
     The caches must already hold this step's K/V. Tokens past `query_start_loc[S]` (graph
-    padding) are not written. `max_query_len` only picks the tile shape (1: decode-only);
-    padded sequences have a chunk of length 0. Float32 inputs use IEEE float32 dots."""
+    padding) are not written; padded sequences have a chunk of length 0. `max_query_len`
+    picks the tile shape (1: the decode-only shape). A batch that mixes decodes with
+    longer chunks (`has_decodes` and `max_query_len > 1`) gets two launches over the same
+    metadata, each skipping the other's sequences, so decodes do not pay for prefill-sized
+    tiles. Float32 inputs use IEEE float32 dots."""
     T, Hq, D = q.shape
-    _, block_size, Hkv, _ = key_cache.shape
+    _, _, Hkv, _ = key_cache.shape
     if Hq % Hkv:
         raise ValueError(f"num_heads {Hq} is not a multiple of num_kv_heads {Hkv}")
     group = Hq // Hkv
@@ -359,9 +380,32 @@ def paged_attention(
         out = torch.empty_like(q)
     if T == 0 or S == 0:
         return out
-    cfg = config or choose_config(S, Hkv, group, D, max_query_len <= 1, q.device, q.dtype)
+    args = (q, key_cache, value_cache, out, block_table, seq_lens, query_start_loc)
+    opts = (scale, sliding_window, soft_cap)
+    if max_query_len <= 1 or config is not None or not has_decodes:
+        decode_only = max_query_len <= 1
+        cfg = config or choose_config(S, Hkv, group, D, decode_only, q.device, q.dtype)
+        _launch(*args, *opts, cfg, seq_filter=0)
+    else:
+        cfg = choose_config(S, Hkv, group, D, True, q.device, q.dtype)
+        _launch(*args, *opts, cfg, seq_filter=1)
+        cfg = choose_config(S, Hkv, group, D, False, q.device, q.dtype)
+        _launch(*args, *opts, cfg, seq_filter=2)
+    return out
+
+
+def _launch(
+    q, key_cache, value_cache, out, block_table, seq_lens, query_start_loc,
+    scale, sliding_window, soft_cap, cfg: AttentionConfig, seq_filter: int,
+) -> None:  # fmt: skip
+    T, Hq, D = q.shape
+    _, block_size, Hkv, _ = key_cache.shape
+    group = Hq // Hkv
+    S = seq_lens.shape[0]
     head_pad = triton.next_power_of_2(D)
     block_q = cfg.block_m // group
+    if block_q < 1:
+        raise ValueError(f"block_m {cfg.block_m} is smaller than the group size {group}")
     if cfg.num_splits > 1:
         part = torch.empty(T * Hq * cfg.num_splits * head_pad, device=q.device, dtype=torch.float32)
         stat = torch.empty(T * Hq * cfg.num_splits * 2, device=q.device, dtype=torch.float32)
@@ -405,6 +449,7 @@ def paged_attention(
         USE_CAP=soft_cap is not None,
         USE_WINDOW=sliding_window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SEQ_FILTER=seq_filter,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -421,9 +466,9 @@ def paged_attention(
             HEAD=D,
             HEAD_PAD=head_pad,
             NUM_SPLITS=cfg.num_splits,
+            DECODES_ONLY=seq_filter == 1,
             num_warps=8 if cfg.num_splits * head_pad >= 8192 else 4,
         )
-    return out
 
 
 def paged_attention_ref(

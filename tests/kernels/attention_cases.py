@@ -16,6 +16,7 @@ class AttentionCase:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     max_query_len: int
+    has_decodes: bool  # some chunk is a single token
     num_tokens: int  # real tokens; q may have padding rows after them
 
     def args(self):
@@ -76,5 +77,6 @@ def make_case(
         seq_lens=put(seq_lens),
         query_start_loc=put(qsl),
         max_query_len=max(qlens + [0]),
+        has_decodes=1 in qlens,
         num_tokens=T,
     )

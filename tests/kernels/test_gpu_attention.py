@@ -66,7 +66,7 @@ def _check_random_case(seed: int, dtype: torch.dtype, tol: float) -> None:
     out = torch.full_like(case.q, float("nan"))
     paged_attention(
         *case.args(), scale=scale, max_query_len=case.max_query_len,
-        sliding_window=p["window"], soft_cap=p["cap"], out=out,
+        has_decodes=case.has_decodes, sliding_window=p["window"], soft_cap=p["cap"], out=out,
     )  # fmt: skip
     torch.cuda.synchronize()
     n = case.num_tokens

@@ -20,7 +20,10 @@ DECODES = [(1, 37), (1, 1), (1, 130), (1, 64)]
 
 
 def _check(case, dtype, **kw):
-    got = paged_attention(*case.args(), scale=0.125, max_query_len=case.max_query_len, **kw)
+    got = paged_attention(
+        *case.args(), scale=0.125, max_query_len=case.max_query_len,
+        has_decodes=case.has_decodes, **kw,
+    )  # fmt: skip
     kw.pop("config", None)
     want = paged_attention_ref(*case.args(), scale=0.125, **kw)
     n = case.num_tokens
@@ -74,3 +77,12 @@ def test_padded_batch_leaves_padding_alone():
         want = paged_attention_ref(*case.args(), scale=0.125)
         n = case.num_tokens
         torch.testing.assert_close(out[:n], want[:n], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 50])
+def test_mixed_batch_in_two_launches(window):
+    """Decodes and a longer chunk: a decode-tile launch (here with a KV split: few
+    programs) and a prefill-tile launch, each skipping the other's sequences."""
+    case = make_case([(1, 130), (20, 200), (1, 70)], 1, 2, 64, 16, torch.float32, DEVICE, seed=7)
+    assert case.has_decodes and case.max_query_len > 1
+    _check(case, torch.float32, sliding_window=window)

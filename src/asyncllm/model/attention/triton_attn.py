@@ -4,13 +4,15 @@ Per layer, two launches: `reshape_and_cache` writes the step's K/V into the page
 cache, then one `paged_attention` launch (plus a merge launch when the keys are split)
 covers the whole batch, prefill chunks and decodes alike. The metadata is the device
 tensors of `CommonAttentionMetadata` as they are; nothing per step is a Python value
-inside a launch, apart from the decode-only flag that picks the tile shape.
+inside a launch; the host only picks tile shapes (decode-only or not) and, for a batch
+that mixes decodes with longer chunks, makes that two launches.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from asyncllm.model.attention.backend import (
@@ -29,6 +31,7 @@ class TritonAttentionMetadata:
     block_table: torch.Tensor  # [S, max_blocks] int32
     slot_mapping: torch.Tensor  # [T] int64, negative: not written
     max_query_len: int
+    has_decodes: bool  # some chunk is one token (with longer ones: two launches)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -43,6 +46,7 @@ class TritonAttentionBackend(AttentionBackend):
             block_table=common.block_table.to(torch.int32),
             slot_mapping=common.slot_mapping.to(torch.int64),
             max_query_len=common.max_query_len,
+            has_decodes=bool((np.diff(common.query_start_loc_cpu) == 1).any()),
         )
 
     def forward(
@@ -70,6 +74,7 @@ class TritonAttentionBackend(AttentionBackend):
             md.query_start_loc,
             spec.scale,
             max_query_len=md.max_query_len,
+            has_decodes=md.has_decodes,
             sliding_window=spec.sliding_window,
             soft_cap=spec.logits_soft_cap,
         )
