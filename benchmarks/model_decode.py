@@ -17,9 +17,9 @@ import time
 import torch
 
 from asyncllm.config import EngineArgs
-from asyncllm.model.attention.torch_native import TorchNativeBackend
 from asyncllm.model.loader import load_model
 from asyncllm.model.paged_decoder import PagedDecoder
+from asyncllm.worker.model_runner import select_attention_backend
 
 
 def ours_decode(model, backend, prompts, tokens) -> float:
@@ -67,12 +67,15 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument(
+        "--attention-backend", default=None, help="triton or torch_native (default: by device)"
+    )
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
 
     cfg = EngineArgs(model=args.model, device=args.device, dtype=args.dtype).create_model_config()
-    backend = TorchNativeBackend()
+    backend = select_attention_backend(cfg.device, args.attention_backend)
     model = load_model(cfg, backend)
     ref = None
     if not args.no_reference:
@@ -95,7 +98,8 @@ def main() -> None:
         rows.append(row)
     print(
         f"{cfg.architecture} on {cfg.device} ({platform.processor() or platform.machine()}), "
-        f"{cfg.dtype}, threads={torch.get_num_threads()}, prompt {args.prompt_len}, {args.tokens} new tokens"
+        f"{cfg.dtype}, {backend.name} attention, threads={torch.get_num_threads()}, "
+        f"prompt {args.prompt_len}, {args.tokens} new tokens"
     )
     print(f"{'batch':>6} {'asyncllm tok/s':>15} {'transformers tok/s':>19}")
     for r in rows:
@@ -108,6 +112,7 @@ def main() -> None:
                 "benchmark": "model_decode",
                 "device": str(cfg.device),
                 "dtype": str(cfg.dtype),
+                "attention": backend.name,
                 "rows": rows,
             }
         )
