@@ -23,7 +23,7 @@ def _reshape_and_cache_kernel(
     width: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token)
     if slot < 0:  # padding: nothing to write
         return
@@ -79,7 +79,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     x = tl.load(x_ptr + row * n_cols + offs, mask=mask, other=0.0).to(tl.float32)
@@ -103,6 +103,8 @@ def rms_norm(
     to x + residual. x, residual: [rows, hidden], contiguous."""
     x = x.contiguous()
     rows, n = x.shape
+    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
+        raise ValueError(f"residual must be a contiguous tensor of x's shape {tuple(x.shape)}")
     out = torch.empty_like(x)
     _rms_norm_kernel[(rows,)](
         x,
@@ -128,7 +130,7 @@ def rms_norm_ref(x, weight, eps, residual=None):
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, d, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
     gate = tl.load(x_ptr + row * 2 * d + offs, mask=mask, other=0.0).to(tl.float32)

@@ -240,46 +240,36 @@ def _paged_attention_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
-    else:
-        at = (token * NUM_HEADS + head) * NUM_SPLITS + split
+    else:  # splits only serve chunks of one token: partials are per sequence
+        at = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
         tl.store(part_ptr + at[:, None] * HEAD_PAD + d[None, :], acc, mask=row_ok[:, None])
         tl.store(stat_ptr + at * 2, m, mask=row_ok)
         tl.store(stat_ptr + at * 2 + 1, l_sum, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit
 def _merge_splits_kernel(
     out_ptr,
     part_ptr,
     stat_ptr,
     query_start_ptr,
-    num_seqs,
     stride_ot,
     stride_oh,
     NUM_HEADS: tl.constexpr,
     HEAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    DECODES_ONLY: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    """One program per (sequence, head): merges the splits of a one-token chunk; other
+    sequences (padding, or longer chunks of a mixed batch) are not this launch's."""
+    seq = tl.program_id(0)
     h = tl.program_id(1)
-    if t >= tl.load(query_start_ptr + num_seqs):
-        return  # a padding token
-    if DECODES_ONLY:  # the batch is mixed: skip tokens of longer chunks
-        lo = 0
-        hi = num_seqs - 1
-        while lo < hi:  # the last sequence starting at or before t holds t
-            mid = (lo + hi + 1) // 2
-            if tl.load(query_start_ptr + mid) <= t:
-                lo = mid
-            else:
-                hi = mid - 1
-        if tl.load(query_start_ptr + lo + 1) - tl.load(query_start_ptr + lo) != 1:
-            return
+    token = tl.load(query_start_ptr + seq)
+    if tl.load(query_start_ptr + seq + 1) - token != 1:
+        return
     sp = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, HEAD_PAD)
-    at = (t.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS + sp
+    at = (seq.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS + sp
     m = tl.load(stat_ptr + at * 2)
     l_sum = tl.load(stat_ptr + at * 2 + 1)
     m_max = tl.max(m, axis=0)
@@ -288,7 +278,7 @@ def _merge_splits_kernel(
     part = tl.load(part_ptr + at[:, None] * HEAD_PAD + d[None, :])
     out = tl.sum(part * w[:, None], axis=0) / denom
     tl.store(
-        out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d,
+        out_ptr + token.to(tl.int64) * stride_ot + h * stride_oh + d,
         out.to(out_ptr.dtype.element_ty),
         mask=d < HEAD,
     )
@@ -374,6 +364,21 @@ def paged_attention(
     _, _, Hkv, _ = key_cache.shape
     if Hq % Hkv:
         raise ValueError(f"num_heads {Hq} is not a multiple of num_kv_heads {Hkv}")
+    for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (head) dimension")
+    if out is not None and (out.shape != q.shape or out.stride(-1) != 1):
+        raise ValueError(f"out must have q's shape {tuple(q.shape)}, contiguous in the last dim")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1 (or None), got {sliding_window}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be positive (or None), got {soft_cap}")
+    if config is not None:
+        splits = config.num_splits
+        if splits < 1 or splits & (splits - 1):
+            raise ValueError(f"num_splits must be a power of two, got {splits}")
+        if splits > 1 and max_query_len > 1:
+            raise ValueError("a KV split serves decode-only batches (max_query_len 1)")
     group = Hq // Hkv
     S = seq_lens.shape[0]
     if out is None:
@@ -406,9 +411,9 @@ def _launch(
     block_q = cfg.block_m // group
     if block_q < 1:
         raise ValueError(f"block_m {cfg.block_m} is smaller than the group size {group}")
-    if cfg.num_splits > 1:
-        part = torch.empty(T * Hq * cfg.num_splits * head_pad, device=q.device, dtype=torch.float32)
-        stat = torch.empty(T * Hq * cfg.num_splits * 2, device=q.device, dtype=torch.float32)
+    if cfg.num_splits > 1:  # per sequence: splits only serve one-token chunks
+        part = torch.empty(S * Hq * cfg.num_splits * head_pad, device=q.device, dtype=torch.float32)
+        stat = torch.empty(S * Hq * cfg.num_splits * 2, device=q.device, dtype=torch.float32)
     else:
         part = stat = out  # not read
     grid = (T // block_q + S, Hkv, cfg.num_splits)
@@ -454,19 +459,17 @@ def _launch(
         num_stages=cfg.num_stages,
     )
     if cfg.num_splits > 1:
-        _merge_splits_kernel[(T, Hq)](
+        _merge_splits_kernel[(S, Hq)](
             out,
             part,
             stat,
             query_start_loc,
-            S,
             out.stride(0),
             out.stride(1),
             NUM_HEADS=Hq,
             HEAD=D,
             HEAD_PAD=head_pad,
             NUM_SPLITS=cfg.num_splits,
-            DECODES_ONLY=seq_filter == 1,
             num_warps=8 if cfg.num_splits * head_pad >= 8192 else 4,
         )
 

@@ -86,3 +86,22 @@ def test_mixed_batch_in_two_launches(window):
     case = make_case([(1, 130), (20, 200), (1, 70)], 1, 2, 64, 16, torch.float32, DEVICE, seed=7)
     assert case.has_decodes and case.max_query_len > 1
     _check(case, torch.float32, sliding_window=window)
+
+
+def test_bad_arguments_are_refused():
+    case = make_case(DECODES, 2, 2, 64, 16, torch.float32, DEVICE)
+    args = case.args()
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_attention(*args, scale=0.1, max_query_len=1, sliding_window=0)
+    with pytest.raises(ValueError, match="soft_cap"):
+        paged_attention(*args, scale=0.1, max_query_len=1, soft_cap=0.0)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_attention(*args, scale=0.1, max_query_len=1, config=AttentionConfig(16, 16, 3, 4, 1))
+    mixed = make_case(MIXED, 2, 2, 64, 16, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="decode-only"):
+        paged_attention(
+            *mixed.args(), scale=0.1, max_query_len=mixed.max_query_len,
+            config=AttentionConfig(16, 16, 2, 4, 1),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="head"):
+        paged_attention(args[0].transpose(1, 2), *args[1:], scale=0.1, max_query_len=1)
