@@ -123,3 +123,31 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], tor
         model.generation_config.eos_token_id = saved
     tokens = out.sequences[0, len(prompt) :].tolist()
     return tokens, torch.cat(out.logits, dim=0).float().cpu()
+
+
+def use_backend(model, backend) -> None:
+    for layer in model.model.layers:
+        layer.self_attn.backend = backend
+
+
+def run_steps_with_backend(
+    model, backend, prompts: list[list[int]], decode_steps: int
+) -> torch.Tensor:
+    """Prefill in uneven chunks (a mixed step: one sequence's whole one-token prompt with
+    the others' longer chunks), then decodes of random tokens; every step's logits,
+    stacked. For comparing attention backends on the same weights."""
+    use_backend(model, backend)
+    dec = PagedDecoder(model, backend, num_blocks=512)
+    sids = [dec.add_sequence() for _ in prompts]
+    outs = []
+    cut = [len(p) // 3 for p in prompts]
+    first = dec.step({s: p[:c] for s, p, c in zip(sids, prompts, cut) if c}, all_logits=True)
+    rest = dec.step({s: p[c:] for s, p, c in zip(sids, prompts, cut)}, all_logits=True)
+    outs += [first[s] for s in sids if s in first] + [rest[s] for s in sids]
+    gen = torch.Generator().manual_seed(1)
+    high = max(max(p) for p in prompts) + 1  # decode tokens from the prompts' range
+    for _ in range(decode_steps):
+        toks = torch.randint(0, high, (len(sids),), generator=gen).tolist()
+        step = dec.step({s: [t] for s, t in zip(sids, toks)})
+        outs += [step[s].reshape(1, -1) for s in sids]
+    return torch.cat([o.reshape(-1, o.shape[-1]) for o in outs]).float()

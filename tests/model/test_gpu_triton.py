@@ -14,7 +14,7 @@ import torch
 from asyncllm.config import EngineArgs
 from asyncllm.model.attention.torch_native import TorchNativeBackend
 from asyncllm.model.loader import load_model
-from asyncllm.model.paged_decoder import PagedDecoder
+from tests.model.helpers import run_steps_with_backend
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,38 +40,14 @@ QWEN3_06B = dict(
 )
 
 
-def _use_backend(model, backend) -> None:
-    for layer in model.model.layers:
-        layer.self_attn.backend = backend
-
-
-def _run_steps(model, backend, prompts: list[list[int]], decode_steps: int) -> torch.Tensor:
-    """Prefill in uneven chunks (two sequences share a batch with a decode-free one),
-    then greedy-free decodes of fixed tokens; returns every step's logits, stacked."""
-    _use_backend(model, backend)
-    dec = PagedDecoder(model, backend, num_blocks=512)
-    sids = [dec.add_sequence() for _ in prompts]
-    outs = []
-    cut = [len(p) // 3 for p in prompts]
-    first = dec.step({s: p[:c] for s, p, c in zip(sids, prompts, cut) if c}, all_logits=True)
-    rest = dec.step({s: p[c:] for s, p, c in zip(sids, prompts, cut)}, all_logits=True)
-    outs += [first[s] for s in sids if s in first] + [rest[s] for s in sids]
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(decode_steps):
-        toks = torch.randint(0, 1000, (len(sids),), generator=gen).tolist()
-        step = dec.step({s: [t] for s, t in zip(sids, toks)})
-        outs += [step[s].reshape(1, -1) for s in sids]
-    return torch.cat([o.reshape(-1, o.shape[-1]) for o in outs]).float()
-
-
 def _compare(model, vocab: int, tol: float) -> None:
     from asyncllm.model.attention.triton_attn import TritonAttentionBackend
 
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (700, 45, 1, 300)]
     with torch.no_grad():
-        want = _run_steps(model, TorchNativeBackend(), prompts, 8)
-        got = _run_steps(model, TritonAttentionBackend(), prompts, 8)
+        want = run_steps_with_backend(model, TorchNativeBackend(), prompts, 8)
+        got = run_steps_with_backend(model, TritonAttentionBackend(), prompts, 8)
     assert not got.isnan().any()
     rel = ((got - want).norm() / want.norm()).item()
     assert rel <= tol, f"relative logits difference {rel:.2e} > {tol:.0e}"
