@@ -13,94 +13,69 @@ batch finds the previous one's keys in L2.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from asyncllm_kernels.paged_attention import AttentionConfig, choose_config, paged_attention
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import floor_us, graph_time_calls_us, measure_copy_bw, write_json  # noqa: E402
+
 HQ, HKV, D, BS = 16, 8, 128, 16
-COPY_BW = 4.3e12
 DECODE = [(256, 4096), (64, 16384), (1, 131072), (32, 1024)]
 TARGET = {(256, 4096): 0.85, (64, 16384): 0.85, (1, 131072): 0.70, (32, 1024): 0.60}
 
 
-def graph_time_us(fns, replays: int = 30) -> float:
-    """Median time of one call, over graph replays of all `fns` in sequence."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(fns))
-    return statistics.median(times)
-
-
-def make_batches(batch: int, ctx: int, q_len: int, rotations: int):
+def time_attention(q_lens: list[int], ctx: int, rotations: int, config=None, has_decodes=False):
+    """One chunk of `q_lens[i]` tokens per sequence, each ending at `ctx`; `rotations`
+    batches whose block tables point at disjoint, shuffled parts of one cache."""
+    seqs, T = len(q_lens), sum(q_lens)
     blocks_per_seq = -(-ctx // BS)
-    total = batch * blocks_per_seq * rotations
+    total = seqs * blocks_per_seq * rotations
     kc = torch.randn(total, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn(total, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
-    perm = torch.randperm(total, device="cuda").to(torch.int32)
-    perm = perm.view(rotations, batch, blocks_per_seq)
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * q_len
-    qs = [
-        torch.randn(batch * q_len, HQ, D, device="cuda", dtype=torch.bfloat16)
-        for _ in range(rotations)
-    ]
+    vc = torch.randn_like(kc)
+    tables = torch.randperm(total, device="cuda").to(torch.int32)
+    tables = tables.view(rotations, seqs, blocks_per_seq)
+    seq_lens = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
+    qsl = torch.zeros(seqs + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+    qsl = qsl.cuda()
+    qs = [torch.randn(T, HQ, D, device="cuda", dtype=torch.bfloat16) for _ in range(rotations)]
     outs = [torch.empty_like(q) for q in qs]
-    return kc, vc, perm, seq_lens, qsl, qs, outs
-
-
-def time_attention(batch, ctx, q_len, rotations, config=None):
-    kc, vc, tables, seq_lens, qsl, qs, outs = make_batches(batch, ctx, q_len, rotations)
-    fns = [
-        (
-            lambda i=i: paged_attention(
-                qs[i],
-                kc,
-                vc,
-                tables[i],
-                seq_lens,
-                qsl,
-                D**-0.5,
-                max_query_len=q_len,
-                out=outs[i],
-                config=config,
-            )
-        )  # fmt: skip
+    calls = [
+        lambda i=i: paged_attention(
+            qs[i],
+            kc,
+            vc,
+            tables[i],
+            seq_lens,
+            qsl,
+            D**-0.5,
+            max_query_len=max(q_lens),
+            has_decodes=has_decodes,
+            out=outs[i],
+            config=config,
+        )
         for i in range(rotations)
     ]
-    return graph_time_us(fns)
+    return graph_time_calls_us(calls, replays=30)
 
 
 def decode_row(batch, ctx, config=None, rotations=None):
     kv_bytes = batch * ctx * HKV * D * 2 * 2
     rotations = rotations or max(1, min(8, int(2e9 // kv_bytes)))
-    us = time_attention(batch, ctx, 1, rotations, config)
-    torch.cuda.empty_cache()
+    us = time_attention([1] * batch, ctx, rotations, config)
+    torch.cuda.empty_cache()  # the caches of this row are gone: give their memory back
     moved = kv_bytes + 2 * batch * HQ * D * 2 + batch * (-(-ctx // BS)) * 4
-    floor = moved / COPY_BW * 1e6
+    floor = floor_us(moved)
     return dict(kind="decode", batch=batch, ctx=ctx, us=us, floor_us=floor, ratio=floor / us)
 
 
 def prefill_row(batch, seq, config=None):
-    us = time_attention(batch, seq, seq, 2, config)
+    us = time_attention([seq] * batch, seq, 2, config)
     flops = batch * 2 * seq * seq * D * HQ
     return dict(kind="prefill", batch=batch, ctx=seq, us=us, tflops=flops / us / 1e6)
 
@@ -108,42 +83,10 @@ def prefill_row(batch, seq, config=None):
 def mixed_row(decodes: int, ctx: int, chunk: int, two_launches: bool) -> dict:
     """`decodes` sequences decoding at `ctx`, plus one prefill chunk of `chunk` tokens
     ending at `ctx`: the batch a chunked-prefill step gives."""
-    rotations = 4
-    blocks_per_seq = -(-ctx // BS)
-    seqs = decodes + 1
-    total = seqs * blocks_per_seq * rotations
-    kc = torch.randn(total, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    tables = torch.randperm(total, device="cuda").to(torch.int32)
-    tables = tables.view(rotations, seqs, blocks_per_seq)
-    seq_lens = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
-    q_lens = torch.tensor([1] * decodes + [chunk], dtype=torch.int32)
-    qsl = torch.zeros(seqs + 1, dtype=torch.int32)
-    qsl[1:] = q_lens.cumsum(0)
-    qsl = qsl.cuda()
-    T = decodes + chunk
-    qs = [torch.randn(T, HQ, D, device="cuda", dtype=torch.bfloat16) for _ in range(rotations)]
-    outs = [torch.empty_like(q) for q in qs]
-    fns = [
-        (
-            lambda i=i: paged_attention(
-                qs[i],
-                kc,
-                vc,
-                tables[i],
-                seq_lens,
-                qsl,
-                D**-0.5,
-                max_query_len=chunk,
-                has_decodes=two_launches,
-                out=outs[i],
-            )
-        )  # fmt: skip
-        for i in range(rotations)
-    ]
-    us = graph_time_us(fns)
+    us = time_attention([1] * decodes + [chunk], ctx, 4, has_decodes=two_launches)
+    seqs, T = decodes + 1, decodes + chunk
     moved = seqs * ctx * HKV * D * 2 * 2 + 2 * T * HQ * D * 2
-    floor = moved / COPY_BW * 1e6
+    floor = floor_us(moved)
     return dict(kind="mixed", batch=decodes, ctx=ctx, chunk=chunk, two_launches=two_launches,
                 us=us, floor_us=floor, ratio=floor / us)  # fmt: skip
 
@@ -154,16 +97,10 @@ def sdpa_prefill(batch, seq):
     v = torch.randn_like(k)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
         k2, v2 = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
-        us = graph_time_us([lambda: F.scaled_dot_product_attention(q, k2, v2, is_causal=True)])
+        us = graph_time_calls_us(
+            [lambda: F.scaled_dot_product_attention(q, k2, v2, is_causal=True)]
+        )
     return batch * 2 * seq * seq * D * HQ / us / 1e6
-
-
-def measure_copy_bw() -> float:
-    """A copy kernel (not a graph memcpy node, which runs on the copy engines)."""
-    a = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    us = graph_time_us([lambda: torch.neg(a, out=b)])
-    return 2 * a.numel() * 2 / (us * 1e-6)
 
 
 def main() -> None:
@@ -216,9 +153,7 @@ def main() -> None:
                 alt = AttentionConfig(bm, bn, 1, warps, stages)
                 r = prefill_row(4, 4096, alt)
                 print(f"   sweep {alt}: {r['us']:9.1f} us {r['tflops']:.0f} TFLOP/s", flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_attention.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json("bench_attention", rows)
 
 
 if __name__ == "__main__":

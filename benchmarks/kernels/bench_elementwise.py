@@ -20,6 +20,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -33,28 +34,17 @@ from asyncllm_kernels.elementwise import (
 )
 from asyncllm_kernels.rotary import apply_rotary_, apply_rotary_ref
 
-try:  # run as a module from the repository root
-    from benchmarks.kernels.timing import (
-        COPY_BW,
-        device_meta,
-        eager_time_us,
-        floor_us,
-        graph_time_us,
-        measure_copy_bw,
-        print_rows,
-        write_json,
-    )
-except ImportError:  # run as a script: its directory is on sys.path
-    from timing import (
-        COPY_BW,
-        device_meta,
-        eager_time_us,
-        floor_us,
-        graph_time_us,
-        measure_copy_bw,
-        print_rows,
-        write_json,
-    )
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import (  # noqa: E402
+    COPY_BW,
+    device_meta,
+    eager_time_us,
+    floor_us,
+    graph_time_us,
+    measure_copy_bw,
+    print_rows,
+    write_json,
+)
 
 # Qwen3-0.6B
 HIDDEN = 1024
