@@ -43,9 +43,11 @@ test-gpu:
 		$(MAKE) install && $(PY) -m pytest -m gpu $(PYTEST_ARGS); \
 	fi
 
+# ruff (style, imports) and mypy (types, over src/ and kernels/: see pyproject.toml).
 lint: $(STAMP)
 	$(PY) -m ruff check src kernels tests examples benchmarks
 	$(PY) -m ruff format --check src kernels tests examples benchmarks
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

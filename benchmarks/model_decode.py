@@ -17,6 +17,7 @@ import time
 import torch
 
 from asyncllm.config import EngineArgs
+from asyncllm.engine.arg_utils import create_model_config
 from asyncllm.model.loader import load_model
 from asyncllm.model.paged_decoder import PagedDecoder
 from asyncllm.worker.model_runner import select_attention_backend
@@ -74,7 +75,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    cfg = EngineArgs(model=args.model, device=args.device, dtype=args.dtype).create_model_config()
+    cfg = create_model_config(EngineArgs(model=args.model, device=args.device, dtype=args.dtype))
     backend = select_attention_backend(cfg.device, args.attention_backend)
     model = load_model(cfg, backend)
     ref = None

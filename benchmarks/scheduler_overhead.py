@@ -23,10 +23,11 @@ import statistics
 import sys
 import time
 
+from asyncllm.config import SchedulerConfig
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.kv_cache_utils import make_block_hasher
 from asyncllm.core.request import Request
-from asyncllm.core.scheduler import Scheduler, SchedulerConfig
+from asyncllm.core.scheduler import Scheduler
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.step_io import ModelRunnerOutput, SchedulerOutput
 
@@ -42,7 +43,7 @@ def fake_runner(scheduler: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput
         sampled[rid] = (
             [req.num_tokens % 1000 + 1] if req.num_computed_tokens >= req.num_tokens else []
         )
-    return ModelRunnerOutput(req_ids=list(sampled), sampled_token_ids=sampled)
+    return ModelRunnerOutput(sampled_token_ids=sampled)
 
 
 def build(args: argparse.Namespace) -> Scheduler:

@@ -77,8 +77,9 @@ LONG_TEXT = (
 @pytest.fixture(scope="session")
 def smollm_config():
     from asyncllm.config import EngineArgs
+    from asyncllm.engine.arg_utils import create_model_config
 
-    return EngineArgs(device="cpu").create_model_config()
+    return create_model_config(EngineArgs(device="cpu"))
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import torch
 
 from asyncllm import EngineArgs
 from asyncllm.config import resolve_device, resolve_dtype
+from asyncllm.engine.arg_utils import create_engine_config, create_model_config
 
 
 @pytest.mark.parametrize(
@@ -71,10 +72,10 @@ def test_device_validation():
 
 def test_max_model_len_beyond_the_model_is_rejected(smollm_config):
     with pytest.raises(ValueError, match="max_model_len 100000 exceeds"):
-        EngineArgs(max_model_len=100_000, device="cpu").create_model_config()
-    assert EngineArgs(max_model_len=512, device="cpu").create_model_config().max_model_len == 512
+        create_model_config(EngineArgs(max_model_len=100_000, device="cpu"))
+    assert create_model_config(EngineArgs(max_model_len=512, device="cpu")).max_model_len == 512
 
 
 def test_triton_attention_needs_cuda(smollm_config):
     with pytest.raises(ValueError, match="attention_backend 'triton' needs a CUDA device"):
-        EngineArgs(device="cpu", attention_backend="triton").create_engine_config()
+        create_engine_config(EngineArgs(device="cpu", attention_backend="triton"))

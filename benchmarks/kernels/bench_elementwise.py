@@ -24,15 +24,14 @@ from pathlib import Path
 
 import torch
 
-from asyncllm_kernels.elementwise import (
-    reshape_and_cache,
+from asyncllm_kernels.elementwise import reshape_and_cache, rms_norm, silu_and_mul
+from asyncllm_kernels.reference import (
+    apply_rotary_ref,
     reshape_and_cache_ref,
-    rms_norm,
     rms_norm_ref,
-    silu_and_mul,
     silu_and_mul_ref,
 )
-from asyncllm_kernels.rotary import apply_rotary_, apply_rotary_ref
+from asyncllm_kernels.rotary import apply_rotary_
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import (  # noqa: E402

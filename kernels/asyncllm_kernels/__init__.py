@@ -1,7 +1,10 @@
-"""Triton kernels for asyncllm, each with a plain-torch reference beside it.
+"""Triton kernels for asyncllm, each with a plain-torch reference.
 
-elementwise.py  reshape_and_cache (KV cache write), rms_norm (fused residual), silu_and_mul
-rotary.py       rotary embedding on q and k in place (NeoX and GPT-J layouts)
+elementwise.py      reshape_and_cache (KV cache write), rms_norm (fused residual), silu_and_mul
+rotary.py           rotary embedding on q and k in place (NeoX and GPT-J layouts)
+paged_attention.py  paged attention over a flat batch of prefill chunks and decodes
+reference.py        the plain-torch reference of each (`*_ref`): imports torch only, not Triton
 
-Tests run them under Triton's interpreter on the CPU (tests/kernels) and natively on a GPU.
+Tests run the kernels under Triton's interpreter on the CPU (tests/kernels) and natively
+on a GPU. This package never imports asyncllm; asyncllm's layers import it.
 """

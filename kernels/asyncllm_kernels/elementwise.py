@@ -1,7 +1,8 @@
 """Row-wise kernels around attention: KV cache write, fused residual + RMSNorm, SiluAndMul.
 
-Each has a plain-torch reference (`*_ref`) that the tests compare against. Launch
-grids depend only on tensor shapes, so the kernels can be captured in CUDA graphs.
+Each has a plain-torch reference (`*_ref`) in reference.py that the tests compare
+against. Launch grids depend only on tensor shapes, so the kernels can be captured in
+CUDA graphs.
 """
 
 from __future__ import annotations
@@ -61,13 +62,6 @@ def reshape_and_cache(
     )
 
 
-def reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping) -> None:
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    key_cache.view(-1, *key.shape[1:])[slots] = key[keep].to(key_cache.dtype)
-    value_cache.view(-1, *value.shape[1:])[slots] = value[keep].to(value_cache.dtype)
-
-
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,
@@ -119,15 +113,6 @@ def rms_norm(
     return out
 
 
-def rms_norm_ref(x, weight, eps, residual=None):
-    if residual is not None:
-        x = x + residual
-        residual.copy_(x)
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * y.to(x.dtype)
-
-
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, d, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -148,8 +133,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(d))
     _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](x, out, d, BLOCK=block)
     return out
-
-
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    d = x.shape[-1] // 2
-    return (torch.nn.functional.silu(x[..., :d].float()) * x[..., d:].float()).to(x.dtype)

@@ -20,6 +20,8 @@ whose partial results a second kernel merges. The grid, the split count and the 
 sizes depend only on the tensor shapes (the padded batch of a CUDA-graph bucket) and
 on whether the batch is decode-only; per-step values (lengths, positions, tables) are
 read from device memory, so a captured launch stays right when replayed with new ones.
+
+The plain-torch reference is `paged_attention_ref` in reference.py.
 """
 
 from __future__ import annotations
@@ -472,38 +474,3 @@ def _launch(
             NUM_SPLITS=cfg.num_splits,
             num_warps=8 if cfg.num_splits * head_pad >= 8192 else 4,
         )
-
-
-def paged_attention_ref(
-    q,
-    key_cache,
-    value_cache,
-    block_table,
-    seq_lens,
-    query_start_loc,
-    scale,
-    sliding_window=None,
-    soft_cap=None,
-) -> torch.Tensor:
-    """Plain torch, one sequence at a time, float32."""
-    out = torch.empty_like(q)
-    block_size, Hkv = key_cache.shape[1], key_cache.shape[2]
-    group = q.shape[1] // Hkv
-    for i in range(len(seq_lens)):
-        start, end, n = int(query_start_loc[i]), int(query_start_loc[i + 1]), int(seq_lens[i])
-        if end == start:
-            continue
-        blocks = block_table[i, : -(-n // block_size)].long()
-        k = key_cache[blocks].reshape(-1, Hkv, q.shape[2])[:n].float().repeat_interleave(group, 1)
-        v = value_cache[blocks].reshape(-1, Hkv, q.shape[2])[:n].float().repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
-        if soft_cap:
-            scores = soft_cap * torch.tanh(scores / soft_cap)
-        qpos = torch.arange(n - (end - start), n, device=q.device)[:, None]
-        kpos = torch.arange(n, device=q.device)[None, :]
-        mask = kpos <= qpos
-        if sliding_window:
-            mask &= kpos > qpos - sliding_window
-        scores = scores.masked_fill(~mask, float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
-    return out

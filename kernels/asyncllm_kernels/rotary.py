@@ -2,6 +2,7 @@
 
 The cos/sin table is [max_position, rotary_dim] float32: cos in the first half of each
 row, sin in the second. Dimensions past rotary_dim are left alone (partial rotary).
+The plain-torch reference is `apply_rotary_ref` in reference.py.
 """
 
 from __future__ import annotations
@@ -99,17 +100,3 @@ def apply_rotary_(
         BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         num_warps=4,
     )
-
-
-def apply_rotary_ref(positions, x, cos_sin_cache, is_neox=True) -> torch.Tensor:
-    rot_dim = cos_sin_cache.shape[-1]
-    cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    rot, rest = x[..., :rot_dim].float(), x[..., rot_dim:]
-    if is_neox:
-        x1, x2 = rot.chunk(2, dim=-1)
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    else:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
-    return torch.cat([out.to(x.dtype), rest], dim=-1)

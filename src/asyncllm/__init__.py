@@ -1,9 +1,9 @@
 """asyncllm: an asyncio-native, embeddable LLM serving engine."""
 
 from asyncllm.config import EngineArgs
-from asyncllm.engine.core_process import EngineDeadError, EngineOverloadedError, EngineStartupError
 from asyncllm.entrypoints.async_llm import AsyncLLM
 from asyncllm.entrypoints.llm import LLM
+from asyncllm.errors import EngineDeadError, EngineOverloadedError, EngineStartupError
 from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 

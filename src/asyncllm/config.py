@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
+import enum
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
-
-from asyncllm.core.request_queue import SchedulingPolicy
-from asyncllm.core.scheduler import SchedulerConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -20,11 +18,6 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
-
-
-def cache_root() -> Path:
-    """Where converted models live: $ASYNCLLM_CACHE, default ~/.cache/asyncllm."""
-    return Path(os.environ.get("ASYNCLLM_CACHE") or Path.home() / ".cache" / "asyncllm")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -89,6 +82,22 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
 
 
+class SchedulingPolicy(enum.Enum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: no cap on one prefill's chunk
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    max_waiting_requests: int | None = None  # beyond this, new requests are refused
+
+
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
@@ -148,6 +157,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    # Accepted for vLLM compatibility; no effect yet: there are no CUDA graphs to turn off.
     enforce_eager: bool = False
     load_format: str = "auto"
     revision: str | None = None
@@ -243,82 +253,3 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
-
-    def create_model_config(self) -> ModelConfig:
-        from transformers import AutoConfig
-
-        from asyncllm.model.source import resolve_model_path
-
-        device = resolve_device(self.device)
-        dtype = resolve_dtype(self.dtype, device)
-        path = resolve_model_path(self.model, revision=self.revision)
-        try:
-            hf_config = AutoConfig.from_pretrained(str(path))
-        except (OSError, ValueError) as e:
-            raise ValueError(f"model folder {str(path)!r} has no usable config.json: {e}") from e
-        limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
-        max_len = self.max_model_len or limit or 2048
-        if limit and max_len > limit:
-            raise ValueError(
-                f"max_model_len {max_len} exceeds the model's max_position_embeddings ({limit})"
-            )
-        return ModelConfig(
-            model=self.model,
-            path=path,
-            hf_config=hf_config,
-            dtype=dtype,
-            device=device,
-            max_model_len=max_len,
-            load_format=self.load_format,
-            seed=self.seed,
-            tokenizer=self.tokenizer or str(path),
-        )
-
-    def create_engine_config(self) -> EngineConfig:
-        from asyncllm.sample.logits_processor import load_logits_processor_class
-
-        for path in self.logits_processors or []:
-            load_logits_processor_class(path)  # fail here, with the path named
-        model = self.create_model_config()
-        if self.attention_backend == "triton" and model.device.type != "cuda":
-            raise ValueError(f"attention_backend 'triton' needs a CUDA device, got {model.device}")
-        batched = self.max_num_batched_tokens
-        if batched is None:
-            batched = 2048 if self.enable_chunked_prefill else max(2048, model.max_model_len)
-        elif not self.enable_chunked_prefill and batched < model.max_model_len:
-            raise ValueError(
-                f"without chunked prefill, max_num_batched_tokens ({batched}) must be at least "
-                f"max_model_len ({model.max_model_len})"
-            )
-        scheduler = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=batched,
-            max_model_len=model.max_model_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            policy=SchedulingPolicy(self.scheduling_policy),
-            max_waiting_requests=self.max_waiting_requests,
-        )
-        cache = CacheConfig(
-            block_size=self.block_size,
-            enable_prefix_caching=self.enable_prefix_caching,
-            num_gpu_blocks_override=self.num_gpu_blocks_override,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            gpu_memory_utilization=float(self.gpu_memory_utilization),
-        )
-        parallel = ParallelConfig(
-            self.tensor_parallel_size,
-            self.pipeline_parallel_size,
-            self.distributed_executor_backend,
-        )
-        return EngineConfig(
-            model=model,
-            cache=cache,
-            scheduler=scheduler,
-            parallel=parallel,
-            logits_processors=list(self.logits_processors or []),
-            skip_tokenizer_init=self.skip_tokenizer_init,
-            enforce_eager=self.enforce_eager,
-            max_logprobs=self.max_logprobs,
-            attention_backend=self.attention_backend,
-        )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 _GREEDY_EPS = 1e-5
@@ -162,10 +162,6 @@ class SamplingParams:
 
     def clone(self, **changes: Any) -> SamplingParams:
         return replace(self, **changes)
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 __all__ = ["RequestOutputKind", "SamplingParams"]

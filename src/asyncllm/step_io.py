@@ -60,7 +60,6 @@ class TokenLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    req_ids: list[str]
     # request id -> tokens sampled this step ([] for a request still in prefill)
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)

@@ -229,13 +229,6 @@ def test_the_same_content_cached_twice_keeps_the_first_block() -> None:
     assert second.block_hash is None
 
 
-def test_without_caching_no_block_is_registered() -> None:
-    pool = BlockPool(2, enable_caching=False)
-    blocks = pool.get_new_blocks(2)
-    pool.cache_full_blocks(blocks, [key(0), key(1)], 0, 2)
-    assert pool.cached == {} and all(b.block_hash is None for b in blocks)
-
-
 def test_a_pool_needs_at_least_one_block() -> None:
     with pytest.raises(ValueError):
         BlockPool(0)
@@ -287,6 +280,52 @@ def test_allocate_slots_that_do_not_fit_change_nothing() -> None:
     req = make_request("a", list(range(9)), 4)  # 3 blocks needed, 2 exist
     assert kv.allocate_slots(req, 9) is None
     assert kv.num_free_blocks == 2 and kv.get_block_ids("a") == []
+
+
+def test_allocate_slots_returns_only_the_blocks_it_took_from_the_free_queue() -> None:
+    """The other two outcomes of allocate_slots: [] when the blocks held have room, else
+    the new blocks, appended after any cache hits. Hits are not in the returned list
+    (the runner learns them from get_block_ids), though they are taken."""
+    kv = KVCacheManager(8, 4, 64)
+    a = make_request("a", list(range(10)), 4)
+    first = kv.allocate_slots(a, 6)  # tokens 0..5: two blocks
+    assert first is not None and len(first) == 2 and ids(first) == kv.get_block_ids("a")
+    a.num_computed_tokens = 6
+    assert kv.allocate_slots(a, 2) == []  # tokens 6..7 fit in the second block
+    a.num_computed_tokens = 8
+    more = kv.allocate_slots(a, 2)  # tokens 8..9 need a third
+    assert more is not None and ids(more) == kv.get_block_ids("a")[2:] and len(more) == 1
+    a.num_computed_tokens = 10
+
+    b = make_request("b", list(range(10)), 4)
+    hits, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 8 and ids(hits) == kv.get_block_ids("a")[:2]
+    new = kv.allocate_slots(b, 2, num_hit, hits)
+    assert new is not None and len(new) == 1 and new[0] not in hits
+    assert kv.get_block_ids("b") == ids(hits) + ids(new)
+    assert [blk.ref_cnt for blk in hits] == [2, 2]
+    assert kv.num_free_blocks == 8 - 4
+
+
+def test_free_releases_a_requests_blocks_tail_first() -> None:
+    """So the request's prefix, the part other requests are likeliest to share, is the
+    last of its blocks to be evicted."""
+    kv = KVCacheManager(4, 4, 64)
+    a = make_request("a", list(range(12)), 4)
+    admit(kv, a)
+    held = kv.get_block_ids("a")
+    kv.free(a)
+    assert ids(kv.pool.free_queue) == [3] + held[::-1]
+    assert all(kv.pool.get_cached_block(h) is not None for h in a.block_hashes)
+
+
+def test_without_prefix_caching_no_block_is_registered_or_hit() -> None:
+    kv = KVCacheManager(8, 4, 64, enable_caching=False)
+    tokens = list(range(9))
+    assert admit(kv, make_request("a", tokens, 4)) == 0
+    assert admit(kv, make_request("b", tokens, 4)) == 0
+    assert kv.pool.cached == {} and all(b.block_hash is None for b in kv.pool.blocks)
+    assert kv.stats.queries == 0
 
 
 # -- property test ---------------------------------------------------------------------

@@ -12,8 +12,9 @@ The rules:
   waits until it fits whole); at most `max_num_seqs` requests run;
 - when KV blocks run out a running request is preempted (FCFS: the latest one; priority:
   the lowest priority, i.e. highest value): its blocks are freed, it goes back to the
-  front of the waiting queue, the runner is told to drop it, and it later comes back as
-  a new request carrying its output tokens;
+  waiting queue (FCFS: at the front), the runner is told to drop it, and it later comes
+  back as a new request carrying its output tokens; a step that preempts admits no
+  waiting request;
 - a waiting request takes its longest cached prefix in whole blocks, never its last
   token;
 - a request stops at max_tokens or max_model_len ("length"), at eos or a stop token
@@ -31,14 +32,14 @@ import pytest
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
+from asyncllm.config import SchedulerConfig, SchedulingPolicy
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.kv_cache_utils import make_block_hasher
-from asyncllm.core.outputs import EngineCoreOutput
 from asyncllm.core.request import Request, RequestStatus
-from asyncllm.core.request_queue import SchedulingPolicy
-from asyncllm.core.scheduler import Scheduler, SchedulerConfig
+from asyncllm.core.scheduler import Scheduler
+from asyncllm.messages import EngineCoreOutput
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.step_io import ModelRunnerOutput, SchedulerOutput
+from asyncllm.step_io import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 
 from .test_block_pool import assert_pool_invariants
 
@@ -58,7 +59,7 @@ def run_fake_model(scheduler: Scheduler, out: SchedulerOutput) -> ModelRunnerOut
         req = scheduler.requests[rid]
         done = req.num_computed_tokens >= req.num_tokens
         sampled[rid] = [token_at(req.num_tokens)] if done else []
-    return ModelRunnerOutput(req_ids=list(out.num_scheduled_tokens), sampled_token_ids=sampled)
+    return ModelRunnerOutput(sampled_token_ids=sampled)
 
 
 _fresh = itertools.count(1000)
@@ -314,6 +315,25 @@ def test_tokens_of_a_victim_preempted_mid_step_go_back_to_the_budget() -> None:
     assert out.num_scheduled_tokens == {"high": 1, "mid": 8}
 
 
+def test_a_step_that_preempts_admits_no_waiting_request() -> None:
+    """Even one that would fit in the blocks the victim freed: the pool is short, and
+    admitting now would only lead to more preemption.
+
+    5 blocks of 4, priority policy. Step 1: a (4 tokens) and b (12) take 4 blocks. In
+    step 2 a's decode takes the last block and b's needs one more, so b, the lowest
+    priority, is preempted, freeing 3 blocks; c (priority 0, one block) still waits."""
+    sched = make_scheduler(num_blocks=5, block_size=4, max_model_len=20, policy=PRIORITY)
+    add(sched, "a", 4, priority=0)
+    add(sched, "b", 12, priority=5)
+    assert step(sched)[0].num_scheduled_tokens == {"a": 4, "b": 12}
+    add(sched, "c", 3, priority=0)
+    out, _ = step(sched)
+    assert out.finished_req_ids == {"b"} and out.num_scheduled_tokens == {"a": 1}
+    assert sched.kv.num_free_blocks == 3
+    assert [r.request_id for r in sched.waiting] == ["c", "b"]
+    assert step(sched)[0].num_scheduled_tokens == {"a": 1, "c": 3}
+
+
 def test_priority_policy_admits_waiting_requests_by_priority_then_arrival() -> None:
     """Lower value first; among equals the earlier arrival time (not the order in which
     add_request was called)."""
@@ -463,6 +483,49 @@ def test_reaching_max_model_len_finishes_with_length() -> None:
     assert (result.tokens, result.finish_reason) == (T[:3], "length")
 
 
+# -- outputs ---------------------------------------------------------------------------
+
+
+def test_outputs_carry_the_cache_hit_and_the_first_scheduling_time_only_once() -> None:
+    """first_scheduled_time comes with a request's first tokens only (the frontend
+    measures queue time from it); num_cached_tokens with every output."""
+    sched = make_scheduler(block_size=16)
+    prefix = fresh_tokens(32)
+    add(sched, "a", prefix + fresh_tokens(4), max_tokens=1)
+    run_until_done(sched)
+    b = add(sched, "b", prefix + fresh_tokens(4), max_tokens=2)
+    (first,) = step(sched)[1]
+    (second,) = step(sched)[1]
+    assert first.first_scheduled_time == b.first_scheduled_time > 0
+    assert second.first_scheduled_time == 0.0
+    assert first.num_cached_tokens == second.num_cached_tokens == 32
+
+
+def test_prompt_logprobs_are_reported_from_a_step_that_samples_nothing() -> None:
+    """A request gets an output when it has tokens, prompt logprobs or a finish; sample
+    logprobs go only with sampled tokens."""
+    sched = make_scheduler(max_num_batched_tokens=16)
+    add(sched, "a", 40, prompt_logprobs=1)
+    out = sched.schedule()
+    lp = TokenLogprobs([[1]] * 16, [[-0.5]] * 16, [1] * 16)
+    runner_out = ModelRunnerOutput(
+        sampled_token_ids={"a": []}, logprobs={"a": lp}, prompt_logprobs={"a": lp}
+    )
+    (o,) = sched.update_from_output(out, runner_out)
+    assert (o.new_token_ids, o.new_prompt_logprobs, o.new_logprobs) == ([], lp, None)
+    assert o.finish_reason is None
+
+
+def test_a_request_id_is_refused_while_its_request_is_unfinished() -> None:
+    sched = make_scheduler()
+    add(sched, "a", 4, max_tokens=1)
+    with pytest.raises(ValueError, match="already in use"):
+        add(sched, "a", 4)
+    assert run_until_done(sched)["a"].finish_reason == "length"
+    add(sched, "a", 4)  # the id of a finished request may be reused
+    assert sched.schedule().num_scheduled_tokens == {"a": 4}
+
+
 # -- aborts ----------------------------------------------------------------------------
 
 
@@ -574,7 +637,7 @@ class FakeModelRunner:
                 sampled[rid] = [r.tokens[-1]]
             else:
                 sampled[rid] = []
-        return ModelRunnerOutput(req_ids=list(out.num_scheduled_tokens), sampled_token_ids=sampled)
+        return ModelRunnerOutput(sampled_token_ids=sampled)
 
 
 @dataclass

@@ -31,7 +31,7 @@ def _tokens(outputs) -> list[list[int]]:
 def test_defaults(llm, smollm_prompts16, hf_greedy_cache):
     outs = llm.generate([{"prompt_token_ids": p} for p in smollm_prompts16], GREEDY, use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == smollm_prompts16  # input order kept
-    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert all(o.outputs[0].finished() and o.outputs[0].finish_reason == "length" for o in outs)
     assert_greedy_parity(hf_greedy_cache, smollm_prompts16, _tokens(outs), "defaults")
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.engine.arg_utils import create_engine_config
 
 PROMPT = {"prompt": "Write a short poem about the sea:"}
 
@@ -107,7 +108,7 @@ def test_bad_logits_processor_paths_are_named(path, match):
     from asyncllm import EngineArgs
 
     with pytest.raises(ValueError, match=match):
-        EngineArgs(device="cpu", logits_processors=[path]).create_engine_config()
+        create_engine_config(EngineArgs(device="cpu", logits_processors=[path]))
 
 
 def test_penalties_and_bias_change_what_is_chosen(llm):

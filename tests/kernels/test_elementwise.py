@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncllm_kernels.elementwise import (
-    reshape_and_cache,
-    reshape_and_cache_ref,
-    rms_norm,
-    rms_norm_ref,
-    silu_and_mul,
-    silu_and_mul_ref,
-)
+from asyncllm_kernels.elementwise import reshape_and_cache, rms_norm, silu_and_mul
+from asyncllm_kernels.reference import reshape_and_cache_ref, rms_norm_ref, silu_and_mul_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16]

@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from asyncllm_kernels.paged_attention import paged_attention, paged_attention_ref
+from asyncllm_kernels.paged_attention import paged_attention
+from asyncllm_kernels.reference import paged_attention_ref
 from tests.kernels.attention_cases import make_case
 
 pytestmark = [

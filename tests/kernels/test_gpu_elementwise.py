@@ -15,15 +15,14 @@ import zlib
 import pytest
 import torch
 
-from asyncllm_kernels.elementwise import (
-    reshape_and_cache,
+from asyncllm_kernels.elementwise import reshape_and_cache, rms_norm, silu_and_mul
+from asyncllm_kernels.reference import (
+    apply_rotary_ref,
     reshape_and_cache_ref,
-    rms_norm,
     rms_norm_ref,
-    silu_and_mul,
     silu_and_mul_ref,
 )
-from asyncllm_kernels.rotary import apply_rotary_, apply_rotary_ref
+from asyncllm_kernels.rotary import apply_rotary_
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,11 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncllm_kernels.paged_attention import (
-    AttentionConfig,
-    paged_attention,
-    paged_attention_ref,
-)
+from asyncllm_kernels.paged_attention import AttentionConfig, paged_attention
+from asyncllm_kernels.reference import paged_attention_ref
 from tests.kernels.attention_cases import make_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

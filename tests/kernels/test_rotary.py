@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncllm_kernels.rotary import apply_rotary_, apply_rotary_ref
+from asyncllm_kernels.reference import apply_rotary_ref
+from asyncllm_kernels.rotary import apply_rotary_
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

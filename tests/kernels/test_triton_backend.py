@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from asyncllm.config import EngineArgs
+from asyncllm.engine.arg_utils import create_model_config
 from asyncllm.model.attention.torch_native import TorchNativeBackend
 from asyncllm.model.attention.triton_attn import TritonAttentionBackend
 from asyncllm.model.loader import load_model
@@ -19,7 +20,7 @@ from tests.model.tiny import make_tiny_model
 @pytest.mark.parametrize("arch", ["qwen3", "mistral"])  # GQA + q/k norm; sliding window
 def test_triton_backend_matches_torch_native(tmp_path, arch):
     make_tiny_model(arch, tmp_path)
-    cfg = EngineArgs(model=str(tmp_path), device="cpu").create_model_config()
+    cfg = create_model_config(EngineArgs(model=str(tmp_path), device="cpu"))
     model = load_model(cfg, TorchNativeBackend())
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 384, (n,), generator=gen).tolist() for n in (70, 1, 23)]

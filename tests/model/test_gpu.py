@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from asyncllm.config import EngineArgs
+from asyncllm.engine.arg_utils import create_model_config
 from asyncllm.model.attention.torch_native import TorchNativeBackend
 from asyncllm.model.loader import load_model
 from asyncllm.model.paged_decoder import PagedDecoder
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.gpu
 def _ours_and_ref(folder, dtype):
     from transformers import AutoModelForCausalLM
 
-    cfg = EngineArgs(model=str(folder), device="cuda", dtype=dtype).create_model_config()
+    cfg = create_model_config(EngineArgs(model=str(folder), device="cuda", dtype=dtype))
     ours = load_model(cfg, TorchNativeBackend())
     ref = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).cuda().eval()
     return ours, ref
@@ -70,7 +71,7 @@ def test_smollm_bfloat16_on_cuda():
         path = embedded_gguf_path()
     except RuntimeError as e:
         pytest.skip(str(e))
-    cfg = EngineArgs(device="cuda").create_model_config()
+    cfg = create_model_config(EngineArgs(device="cuda"))
     assert cfg.dtype == torch.bfloat16
     ours = load_model(cfg, TorchNativeBackend())
     ref = AutoModelForCausalLM.from_pretrained(

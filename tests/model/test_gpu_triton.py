@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from asyncllm.config import EngineArgs
+from asyncllm.engine.arg_utils import create_model_config
 from asyncllm.model.attention.torch_native import TorchNativeBackend
 from asyncllm.model.loader import load_model
 from tests.model.helpers import run_steps_with_backend
@@ -56,7 +57,7 @@ def _compare(model, vocab: int, tol: float) -> None:
 def _qwen3_shaped(tmp_path, dtype: str):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_06B))
     args = EngineArgs(model=str(tmp_path), device="cuda", dtype=dtype, load_format="dummy")
-    model = load_model(args.create_model_config(), TorchNativeBackend())
+    model = load_model(create_model_config(args), TorchNativeBackend())
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -82,7 +83,7 @@ def test_smollm2(dtype, tol):
     except RuntimeError as e:
         pytest.skip(str(e))
     model = load_model(
-        EngineArgs(device="cuda", dtype=dtype).create_model_config(), TorchNativeBackend()
+        create_model_config(EngineArgs(device="cuda", dtype=dtype)), TorchNativeBackend()
     )
     _compare(model, 49152, tol)
 

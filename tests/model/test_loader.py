@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from asyncllm.config import EngineArgs
+from asyncllm.engine.arg_utils import create_model_config
 from asyncllm.model.attention.torch_native import TorchNativeBackend
 from asyncllm.model.loader import DUMMY_WEIGHT_RANGE, load_model
 from asyncllm.model.paged_decoder import PagedDecoder
@@ -19,7 +20,7 @@ TOKENS = [3, 17, 99, 250, 4, 8, 15, 16, 23, 42]
 
 
 def _load(folder, **kw):
-    cfg = EngineArgs(model=str(folder), device="cpu", **kw).create_model_config()
+    cfg = create_model_config(EngineArgs(model=str(folder), device="cpu", **kw))
     return load_model(cfg, TorchNativeBackend())
 
 
@@ -87,14 +88,12 @@ def test_dtype_is_applied(tmp_path):
 
 def test_auto_dtype_is_float32_on_cpu(tmp_path):
     make_tiny_model("llama3", tmp_path)
-    assert (
-        EngineArgs(model=str(tmp_path), device="cpu").create_model_config().dtype == torch.float32
-    )
+    assert create_model_config(EngineArgs(model=str(tmp_path), device="cpu")).dtype == torch.float32
 
 
 def test_missing_folder_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
-        EngineArgs(model=str(tmp_path / "nowhere")).create_model_config()
+        create_model_config(EngineArgs(model=str(tmp_path / "nowhere")))
 
 
 def test_folder_without_weights(tmp_path):
@@ -143,7 +142,7 @@ def test_hub_id_while_offline_fails_fast(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     start = time.monotonic()
     with pytest.raises(OSError, match=r"'HuggingFaceTB/SmolLM2-135M'.*offline"):
-        EngineArgs(model="HuggingFaceTB/SmolLM2-135M").create_model_config()
+        create_model_config(EngineArgs(model="HuggingFaceTB/SmolLM2-135M"))
     assert time.monotonic() - start < 10
 
 
@@ -159,7 +158,7 @@ def test_file_that_is_not_gguf_is_rejected(tmp_path):
     f = tmp_path / "weights.txt"
     f.write_text("x")
     with pytest.raises(ValueError, match="not a .gguf file"):
-        EngineArgs(model=str(f)).create_model_config()
+        create_model_config(EngineArgs(model=str(f)))
 
 
 def test_failed_conversion_leaves_no_temporary_folder(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from asyncllm.config import EngineArgs
+from asyncllm.engine.arg_utils import create_model_config
 from asyncllm.model.attention.backend import AttentionLayerSpec, CommonAttentionMetadata
 from asyncllm.model.attention.torch_native import TorchNativeBackend
 from asyncllm.model.loader import load_model
@@ -19,7 +20,7 @@ from tests.model.tiny import make_tiny_model
 def tiny_llama(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llama")
     make_tiny_model("llama3", folder)
-    cfg = EngineArgs(model=str(folder), device="cpu").create_model_config()
+    cfg = create_model_config(EngineArgs(model=str(folder), device="cpu"))
     return load_model(cfg, TorchNativeBackend())
 
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from asyncllm.config import EngineArgs
+from asyncllm.engine.arg_utils import create_model_config
 from asyncllm.model.attention.torch_native import TorchNativeBackend
+from asyncllm.model.interface import KVCacheSpec
 from asyncllm.model.loader import load_model
 from asyncllm.model.paged_decoder import PagedDecoder
 from tests.model.helpers import assert_greedy_parity, greedy_batch, hf_greedy
@@ -19,7 +21,7 @@ PROMPT_LENS = [1, 7, 33, 100, 190, 300]
 def tiny_pair(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     ref = make_tiny_model(request.param, folder)
-    cfg = EngineArgs(model=str(folder), device="cpu").create_model_config()
+    cfg = create_model_config(EngineArgs(model=str(folder), device="cpu"))
     ours = load_model(cfg, TorchNativeBackend())
     gen = torch.Generator().manual_seed(1)
     prompts = [
@@ -42,6 +44,18 @@ def test_architecture_is_the_expected_class(tiny_pair):
     assert spec.sliding_window == (48 if arch == "mistral" else None)
     if arch == "qwen3":
         assert ours.lm_head.weight is ours.model.embed_tokens.weight
+
+
+def test_kv_cache_spec_follows_the_config(tiny_pair):
+    _, _, ours, _ = tiny_pair
+    cfg = ours.config
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    spec = ours.kv_cache_spec()
+    assert spec == KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head)
+    # K and V, per token of a block, per layer.
+    assert spec.block_bytes(16, torch.bfloat16) == spec.num_layers * 2 * 16 * (
+        spec.num_kv_heads * head * 2
+    )
 
 
 def test_prompt_and_decode_logits(tiny_pair):

@@ -149,18 +149,23 @@ async def test_overload_refuses_the_fifth_waiting_request_and_the_others_finish(
         try:
             params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
 
-            async def run(i):
-                outs = [o async for o in llm.generate(f"Request {i}", params)]
+            async def run(i, p=params):
+                outs = [o async for o in llm.generate(f"Request {i}", p)]
                 return outs[-1].outputs[0].token_ids
 
-            first = asyncio.create_task(run(0))
-            await asyncio.sleep(0.5)  # request 0 is running; the next four wait
+            async def until(field, value):
+                while (await llm.get_stats())[field] != value:
+                    await asyncio.sleep(0.01)
+
+            # Request 0 is long enough that the four below are queued while it runs.
+            first = asyncio.create_task(run(0, params.clone(max_tokens=100)))
+            await until("num_running", 1)  # request 0 runs; the next four wait
             waiting = [asyncio.create_task(run(i)) for i in range(1, 5)]
-            await asyncio.sleep(0.3)
+            await until("num_waiting", 4)
             with pytest.raises(EngineOverloadedError, match="max_waiting_requests"):
                 await run(5)
             results = await asyncio.gather(first, *waiting)
-            assert all(len(r) == 30 for r in results)
+            assert [len(r) for r in results] == [100, 30, 30, 30, 30]
         finally:
             await llm.shutdown()
     assert ticker.worst_gap < 1.0, (

@@ -8,15 +8,31 @@ import numpy as np
 import pytest
 
 from asyncllm import SamplingParams
-from asyncllm.core.outputs import EngineCoreOutput, EngineCoreOutputs
-from asyncllm.engine.core_proc import INPUT_TYPES
-from asyncllm.engine.messages import EngineCoreRequest
-from asyncllm.engine.serial import Decoder, Encoder, MsgKind
+from asyncllm.engine.serial import Decoder, Encoder
+from asyncllm.messages import (
+    FROM_CORE,
+    MESSAGE_TYPES,
+    TO_CORE,
+    AbortRequests,
+    DeadKind,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    EngineReady,
+    EngineStartup,
+    ErrorKind,
+    MsgKind,
+    RequestError,
+    SchedulerStats,
+    UtilityCall,
+    UtilityResult,
+)
 from asyncllm.step_io import TokenLogprobs
 
-
-def test_request_round_trip_keeps_every_field():
-    req = EngineCoreRequest(
+EXAMPLES = [
+    EngineStartup(engine_args={"model": None, "dtype": "float32", "seed": 3, "x": [], "g": 0.5}),
+    EngineCoreRequest(
         "r1",
         [1, 2, 3],
         SamplingParams(temperature=0.5, stop=["x"], logit_bias={5: -1.0}),
@@ -24,13 +40,11 @@ def test_request_round_trip_keeps_every_field():
         16,
         12.5,
         priority=3,
-    )
-    kind, got = Decoder(INPUT_TYPES).decode(Encoder().encode(MsgKind.ADD, req))
-    assert kind is MsgKind.ADD and got == req
-
-
-def test_outputs_round_trip():
-    out = EngineCoreOutputs(
+    ),
+    AbortRequests(["a", "b"]),
+    UtilityCall(7, "get_stats"),
+    EngineReady(max_model_len=64, num_blocks=10, block_size=16, vocab_size=100),
+    EngineCoreOutputs(
         outputs=[
             EngineCoreOutput(
                 "a",
@@ -38,20 +52,41 @@ def test_outputs_round_trip():
                 TokenLogprobs([[7, 1]], [[-0.1, -2.0]], [1]),
                 finish_reason="stop",
                 stop_reason=8,
-            )
-        ]
-    )
-    frames = Encoder().encode(MsgKind.OUTPUTS, out)
-    kind, got = Decoder({MsgKind.OUTPUTS: EngineCoreOutputs}).decode(frames)
-    assert got == out
+            ),
+            EngineCoreOutput(
+                "b", [], finish_reason="abort", error=RequestError(ErrorKind.OVERLOADED, "full")
+            ),
+        ],
+        scheduler_stats=SchedulerStats(num_running=2),
+    ),
+    UtilityResult(7, {"num_running": 1}),
+    EngineDead(DeadKind.CRASHED, "boom"),
+]
+
+
+def test_every_message_type_has_an_example():
+    assert {type(m) for m in EXAMPLES} == set(MESSAGE_TYPES.values())
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip_keeps_every_field(msg):
+    side = TO_CORE if type(msg) in [MESSAGE_TYPES[k] for k in TO_CORE] else FROM_CORE
+    kind, got = Decoder(side).decode(Encoder().encode(msg))
+    assert MESSAGE_TYPES[kind] is type(msg) and got == msg
+
+
+def test_error_kind_survives_the_wire():
+    out = EXAMPLES[5]
+    _, got = Decoder(FROM_CORE).decode(Encoder().encode(out))
+    assert got.outputs[1].error.kind is ErrorKind.OVERLOADED
 
 
 def test_numpy_arrays_travel_as_raw_frames():
     arr = np.arange(12, dtype=np.float32).reshape(3, 4)
-    frames = Encoder().encode(MsgKind.UTILITY, {"x": arr})
+    frames = Encoder().encode(UtilityResult(1, {"x": arr}))
     assert len(frames) == 3 and bytes(frames[2]) == arr.tobytes()
-    _, got = Decoder({MsgKind.UTILITY: dict}).decode(frames)
-    assert np.array_equal(got["x"], arr) and got["x"].dtype == np.float32
+    _, got = Decoder(FROM_CORE).decode(frames)
+    assert np.array_equal(got.result["x"], arr) and got.result["x"].dtype == np.float32
 
 
 @pytest.mark.parametrize(
@@ -67,9 +102,22 @@ def test_numpy_arrays_travel_as_raw_frames():
 )
 def test_anything_else_is_rejected_with_a_reason(frames, match):
     with pytest.raises(ValueError, match=match):
-        Decoder(INPUT_TYPES).decode(frames)
+        Decoder(TO_CORE).decode(frames)
+
+
+@pytest.mark.parametrize(
+    "obj", [{"request_id": "x"}, ["a"], "text", 3, None, TokenLogprobs([], [], [])]
+)
+def test_only_message_structs_are_sent(obj):
+    with pytest.raises(TypeError, match="only asyncllm.messages structs"):
+        Encoder().encode(obj)
 
 
 def test_objects_without_a_wire_form_are_refused():
     with pytest.raises(TypeError, match="cannot send"):
-        Encoder().encode(MsgKind.UTILITY, {"f": object()})
+        Encoder().encode(UtilityResult(1, {"f": object()}))
+
+
+def test_each_kind_decodes_on_one_side_only():
+    assert set(TO_CORE) | set(FROM_CORE) == set(MsgKind)
+    assert not set(TO_CORE) & set(FROM_CORE)

@@ -4,17 +4,23 @@ Invariants (checked by the property tests):
 - a block is in the free queue exactly when its ref count is 0;
 - a block with a hash is in the hash map under that hash, and vice versa;
 - freed blocks keep their hash (and stay findable) until they are handed out again,
-  so cached blocks are evicted only when no plain free block is left.
+  so a cached block is evicted only when it reaches the front of the free queue.
+
+The pool does not decide what gets cached: the KV cache coordinator registers blocks
+(prefix caching off: it never does, and the hash map stays empty).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from asyncllm.core.kv_cache_utils import BlockHash
 
 
 class KVCacheBlock:
+    """One block of KV memory. `ref_cnt` counts the requests holding it; `block_hash`
+    is set while the block is registered in the prefix cache."""
+
     __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
@@ -31,9 +37,13 @@ class KVCacheBlock:
 
 class FreeBlockQueue:
     """A doubly linked list of free blocks: pop from the front (least recently freed),
-    append at the back, and remove from the middle in O(1) when a cached block is reused."""
+    append at the back, and remove from the middle in O(1) when a cached block is reused.
 
-    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+    The links live in the blocks themselves, so a block is in the queue exactly when
+    its links are set; the two sentinels keep every operation branch-free.
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
         self._head = KVCacheBlock(-1)
         self._tail = KVCacheBlock(-1)
         self._head.next_free, self._tail.prev_free = self._tail, self._head
@@ -42,6 +52,7 @@ class FreeBlockQueue:
             self.append(b)
 
     def popleft(self) -> KVCacheBlock:
+        """Removes and returns the least recently appended block; IndexError if empty."""
         block = self._head.next_free
         if block is self._tail or block is None:
             raise IndexError("no free blocks")
@@ -49,6 +60,7 @@ class FreeBlockQueue:
         return block
 
     def remove(self, block: KVCacheBlock) -> None:
+        """Takes `block` out wherever it is, in O(1); ValueError if it is not queued."""
         if block.prev_free is None or block.next_free is None:
             raise ValueError(f"{block} is not in the free queue")
         block.prev_free.next_free = block.next_free
@@ -57,6 +69,7 @@ class FreeBlockQueue:
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
+        """Queues `block` last (most recently freed); ValueError if it is queued already."""
         if block.prev_free is not None or block.next_free is not None:
             raise ValueError(f"{block} is already in the free queue")
         last = self._tail.prev_free
@@ -66,7 +79,8 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self.num_free_blocks += 1
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        """Front to back: the order in which popleft would hand the blocks out."""
         b = self._head.next_free
         while b is not self._tail and b is not None:
             yield b
@@ -74,27 +88,34 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    """Owns every block, its reference count, and the prefix cache's hash map."""
+
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks nobody holds, cached ones included (they are evictable)."""
         return self.free_queue.num_free_blocks
 
     def usage(self) -> float:
+        """The fraction of blocks held by some request, in [0, 1]."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """The block registered under `block_hash`, held or free, or None. Takes no
+        reference: call `touch` to keep it."""
         return self.cached.get(block_hash)
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        """n blocks with ref count 1, evicting the least recently freed cached ones."""
+        """n blocks from the front of the free queue, each with ref count 1 and no hash
+        (a cached one is evicted from the hash map). ValueError, and nothing taken, if
+        fewer than n are free."""
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
         out = []
@@ -112,20 +133,24 @@ class BlockPool:
             block.block_hash = None
 
     def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Forgets these blocks' hashes: their K/V was never written."""
+        """Unregisters these blocks from the prefix cache, because their K/V will never
+        be written; their ref counts and queue places do not change."""
         for block in blocks:
             self._evict(block)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Another request now uses these (cache hits): take them off the free queue."""
+        """Adds one reference to each block (cache hits another request now shares); a
+        free one leaves the free queue, so it cannot be handed out or evicted."""
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered: Iterable[KVCacheBlock]) -> None:
-        """Drops one reference each; blocks reaching 0 join the free queue in this order
-        (so pass a request's blocks tail first: its prefix is evicted last)."""
+        """Drops one reference each; blocks reaching 0 join the back of the free queue
+        in this order (pass a request's blocks tail first, so its prefix, the part
+        other requests are likeliest to share, is evicted last). They keep their hashes.
+        ValueError on a block with no reference left; the blocks before it are freed."""
         for block in ordered:
             if block.ref_cnt <= 0:
                 raise ValueError(f"{block} freed more often than it was taken")
@@ -136,21 +161,24 @@ class BlockPool:
     def cache_full_blocks(
         self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash], start: int, end: int
     ) -> None:
-        """Registers blocks[start:end], which are full, under their hashes."""
-        if not self.enable_caching:
-            return
+        """Registers blocks[start:end] under block_hashes[start:end]. The caller vouches
+        that they are full and that their K/V is written before anyone reads it. A block
+        already registered (a cache hit) is skipped; so is one whose hash another block
+        holds (the same content computed twice at once): the first stays, this one
+        stays plain."""
         for i in range(start, end):
             block = blocks[i]
             if block.block_hash is not None:
-                continue  # a cache hit: already registered
+                continue
             h = block_hashes[i]
             if h in self.cached:
-                continue  # same content computed twice at once: keep the first, this one stays plain
+                continue
             block.block_hash = h
             self.cached[h] = block
 
     def reset_prefix_cache(self) -> bool:
-        """Forgets every cached block; refused (False) while any block is in use."""
+        """Forgets every cached block and returns True, or returns False and changes
+        nothing while any block is held (a running request's blocks must stay valid)."""
         if self.num_free_blocks != self.num_blocks:
             return False
         for block in self.blocks:

@@ -11,45 +11,56 @@ from asyncllm.core.request import Request
 
 @dataclass
 class PrefixCacheStats:
+    """Since start, counted at each lookup (a request refused admission and retried
+    next step counts again)."""
+
     queries: int = 0  # tokens looked up
     hits: int = 0  # tokens found
-    requests: int = 0
 
 
 class KVCacheManager:
+    """What the scheduler asks of KV memory, for one group of identical layers.
+    `allocate_slots` succeeds whole or changes nothing, so the scheduler can try,
+    preempt someone, and try again."""
+
     def __init__(
         self, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool = True
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks)
         self.coordinator = get_kv_cache_coordinator(self.pool, block_size, enable_caching)
         self.stats = PrefixCacheStats()
 
     @property
     def num_blocks(self) -> int:
+        """All blocks, held or free."""
         return self.pool.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached ones included: they can be evicted)."""
         return self.pool.num_free_blocks
 
     def usage(self) -> float:
+        """The fraction of blocks held by requests, in [0, 1]."""
         return self.pool.usage()
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest cached prefix of the request, in whole blocks.
+        """The longest cached prefix of a waiting request, in whole blocks, and its
+        length in tokens; ([], 0) without prefix caching.
 
-        The last token is always recomputed (its logits are needed), and requests that
-        want prompt logprobs get no hit (every prompt position must be computed).
+        The last token is never part of a hit (its logits are needed to sample), and a
+        request that wants prompt logprobs gets no hit (every prompt position must be
+        computed). No reference is taken: pass the result straight to `allocate_slots`,
+        before anything else can evict the blocks. Counted in `stats`.
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         blocks = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )
-        self.stats.requests += 1
         self.stats.queries += request.num_tokens
         self.stats.hits += len(blocks) * self.block_size
         return blocks, len(blocks) * self.block_size
@@ -61,8 +72,23 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
     ) -> list[KVCacheBlock] | None:
-        """Blocks for `num_new_tokens` more tokens (after any cache hit); None if they
-        do not fit, in which case nothing changed."""
+        """Makes room for `num_new_tokens` tokens after the request's computed tokens
+        and the cache hit (`new_computed_blocks`, `num_new_computed_tokens` tokens, from
+        `get_computed_blocks`); slots past max_model_len are never allocated.
+
+        Returns:
+        - None: not enough free blocks. Nothing changed (the hits were not taken), so
+          the caller may preempt someone and call again, or leave the request waiting;
+        - []: no new block was needed; the blocks held (plus any hits, now taken) have
+          room for the tokens;
+        - otherwise the new blocks, in token order, now appended to the request's
+          blocks after the hits. Only these are new to the runner: the hits are not in
+          this list, but `get_block_ids` has them.
+
+        Full blocks among the tokens this step computes are registered in the prefix
+        cache at once, so a request scheduled later in the same step may hit them.
+        ValueError if num_new_tokens is not positive.
+        """
         if num_new_tokens <= 0:
             raise ValueError("num_new_tokens must be positive")
         rid = request.request_id
@@ -81,21 +107,26 @@ class KVCacheManager:
             return None
         self.coordinator.save_new_computed_blocks(rid, new_computed_blocks)
         new_blocks = self.coordinator.allocate_new_blocks(rid, num_tokens)
-        # Blocks whose tokens this step computes are registered now: a request scheduled
-        # later in the same step may hit them, since each layer writes K/V before reading.
+        # Each layer writes a step's K/V before reading it, so blocks this step computes
+        # can be hit by a request scheduled after this one in the same step.
         self.coordinator.cache_blocks(request, min(num_tokens, request.num_tokens))
         return new_blocks
 
     def free(self, request: Request) -> None:
-        # Blocks are cached when allocated, before their step runs. A request freed
-        # before that (a priority victim given tokens earlier in the same step) must
-        # not leave cached blocks past its computed tokens: they hold no K/V.
+        """Releases all the request's blocks (they stay in the prefix cache until
+        evicted). Call it before resetting `num_computed_tokens`: blocks past the
+        computed tokens are unregistered first, since their K/V was never written."""
+        # Blocks are registered when allocated, before their step runs; a request freed
+        # in between (a priority victim given tokens earlier in the same step) must not
+        # leave them findable.
         blocks = self.coordinator.get_blocks(request.request_id)
         self.pool.uncache(blocks[request.num_computed_tokens // self.block_size :])
         self.coordinator.free(request.request_id)
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """The ids of the request's blocks in token order; [] if it holds none."""
         return [b.block_id for b in self.coordinator.get_blocks(request_id)]
 
     def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache; False (and nothing done) while any block is held."""
         return self.pool.reset_prefix_cache()

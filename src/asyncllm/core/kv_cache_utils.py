@@ -1,4 +1,4 @@
-"""Block hashes: each full block's hash chains its parent's, its token ids and extra keys.
+"""Block hashes: each full block's hash chains its parent's hash and its token ids.
 
 sha256 over a fixed byte encoding, so hashes are the same in every process and run
 (Python's `hash()` is salted per process and collides far too easily).
@@ -18,18 +18,17 @@ BlockHash = bytes
 ROOT_HASH: BlockHash = hashlib.sha256(b"asyncllm/kv-block-root/v1").digest()
 
 
-def hash_block_tokens(
-    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple | None = None
-) -> BlockHash:
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """The hash of one block: equal hashes mean equal token prefixes up to the block's
+    end, because the parent's hash (ROOT_HASH for the first block) is chained in."""
     h = hashlib.sha256(parent or ROOT_HASH)
     h.update(array("q", token_ids).tobytes())
-    if extra_keys:
-        h.update(repr(extra_keys).encode())
     return h.digest()
 
 
 def make_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:
-    """Returns the hashes of the request's full blocks that it has no hash for yet."""
+    """A hasher for `Request`: it returns the hashes of the request's full blocks that
+    `request.block_hashes` does not cover yet (usually none), for the request to append."""
 
     def hasher(request: Request) -> list[BlockHash]:
         start = len(request.block_hashes)

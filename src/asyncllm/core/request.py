@@ -10,6 +10,8 @@ from asyncllm.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
+    """Ordered so that every status after PREEMPTED is a finished one."""
+
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
@@ -20,10 +22,12 @@ class RequestStatus(enum.IntEnum):
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
+        """True for the three FINISHED_* statuses (a preempted request is not finished)."""
         return status > RequestStatus.PREEMPTED
 
     @staticmethod
     def finish_reason(status: RequestStatus) -> str | None:
+        """The OpenAI-style reason ("stop", "length", "abort"); None while unfinished."""
         return _FINISH_REASONS.get(status)
 
 
@@ -35,6 +39,14 @@ _FINISH_REASONS = {
 
 
 class Request:
+    """One request's state in the core.
+
+    `num_computed_tokens` counts the tokens whose K/V the scheduler has handed to the
+    runner (advanced when a step is scheduled, reset to 0 by a preemption). The block
+    hasher, when given, keeps `block_hashes` covering every full block of
+    `all_token_ids`; without it (prefix caching off) `block_hashes` stays empty.
+    """
+
     def __init__(
         self,
         request_id: str,
@@ -68,18 +80,18 @@ class Request:
             self.block_hashes.extend(block_hasher(self))
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
+        """Tokens sampled so far (they survive a preemption)."""
         return len(self.output_token_ids)
 
     @property
     def is_finished(self) -> bool:
+        """Stopped, length-capped or aborted."""
         return RequestStatus.is_finished(self.status)
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        """Appends sampled tokens and hashes any block they complete, so the block is
+        ready for the prefix cache when the scheduler registers it."""
         if isinstance(token_ids, int):
             token_ids = [token_ids]
         self.output_token_ids.extend(token_ids)

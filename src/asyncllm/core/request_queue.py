@@ -2,38 +2,40 @@
 
 from __future__ import annotations
 
-import enum
 import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable, Iterator
 
+from asyncllm.config import SchedulingPolicy
 from asyncllm.core.request import Request
 
 
-class SchedulingPolicy(enum.Enum):
-    FCFS = "fcfs"
-    PRIORITY = "priority"
-
-
 class RequestQueue(ABC):
+    """The scheduler's waiting requests. peek and pop raise IndexError when empty."""
+
     @abstractmethod
     def add(self, request: Request) -> None:
-        """A new request."""
+        """Queues a new request in its place under the policy."""
 
     @abstractmethod
     def prepend(self, request: Request) -> None:
-        """A preempted request: it goes before the others of its rank."""
+        """Queues a preempted request (FCFS: first of all; priority: in its place by
+        priority and arrival), so it resumes before any request it was admitted ahead of."""
 
     @abstractmethod
-    def peek(self) -> Request: ...
+    def peek(self) -> Request:
+        """The request pop would return, left in the queue."""
 
     @abstractmethod
-    def pop(self) -> Request: ...
+    def pop(self) -> Request:
+        """Removes and returns the next request to admit."""
 
     @abstractmethod
-    def remove_many(self, requests: Iterable[Request]) -> None: ...
+    def remove_many(self, requests: Iterable[Request]) -> None:
+        """Removes these requests (compared by identity); ones not queued are ignored.
+        One pass over the queue, however many are removed (aborts come in batches)."""
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -44,6 +46,8 @@ class RequestQueue(ABC):
 
 
 class FCFSQueue(RequestQueue):
+    """Arrival order (order of `add`); `prepend` puts a request at the very front."""
+
     def __init__(self) -> None:
         self._q: deque[Request] = deque()
 
@@ -72,11 +76,12 @@ class FCFSQueue(RequestQueue):
 
 
 class PriorityQueue(RequestQueue):
-    """A heap on (priority, arrival time); a preempted request keeps its place by those."""
+    """A heap on (priority, arrival time); a preempted request keeps its place by those,
+    which puts it before every later arrival of its priority."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, float, int, Request]] = []
-        self._tiebreak = itertools.count()
+        self._tiebreak = itertools.count()  # equal keys: insertion order, never Request
 
     def add(self, request: Request) -> None:
         heapq.heappush(
@@ -105,4 +110,5 @@ class PriorityQueue(RequestQueue):
 
 
 def create_request_queue(policy: SchedulingPolicy) -> RequestQueue:
+    """The waiting queue for the scheduling policy."""
     return FCFSQueue() if policy is SchedulingPolicy.FCFS else PriorityQueue()

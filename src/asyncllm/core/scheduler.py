@@ -4,19 +4,26 @@ Each step hands out at most `max_num_batched_tokens` tokens: running requests fi
 token for a decode, a chunk for an unfinished prefill), then waiting ones, so prefill
 chunks and decodes share a batch. When KV blocks run out, the lowest-priority running
 request (FCFS: the latest) is preempted: its blocks are freed and it goes back to the
-front of the waiting queue, to be recomputed later (mostly from the prefix cache).
+waiting queue (FCFS: at the front), to be recomputed later (mostly from the prefix
+cache); a step that had to preempt admits no waiting request.
+
+`schedule()` is three steps: `_schedule_running` (with preemption), `_schedule_waiting`,
+then `_build_output`, which also advances each request's computed tokens and the
+statistics. `update_from_output()` appends the sampled tokens, applies the stop rules
+and frees the requests that finished.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
+from asyncllm.config import SchedulerConfig, SchedulingPolicy
+from asyncllm.core.block_pool import KVCacheBlock
 from asyncllm.core.kv_cache_manager import KVCacheManager
-from asyncllm.core.outputs import EngineCoreOutput, SchedulerStats
 from asyncllm.core.request import Request, RequestStatus
-from asyncllm.core.request_queue import SchedulingPolicy, create_request_queue
+from asyncllm.core.request_queue import create_request_queue
+from asyncllm.messages import EngineCoreOutput, SchedulerStats
 from asyncllm.step_io import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -25,37 +32,69 @@ from asyncllm.step_io import (
 )
 
 
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0  # 0: no cap on one prefill's chunk
-    policy: SchedulingPolicy = SchedulingPolicy.FCFS
-    max_waiting_requests: int | None = None  # beyond this, new requests are refused
+class _StepPlan:
+    """What one `schedule()` call has handed out so far."""
+
+    __slots__ = (
+        "budget",
+        "num_tokens",
+        "computed_before",
+        "new_block_ids",
+        "new_reqs",
+        "preempted",
+    )
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget  # tokens left this step
+        self.num_tokens: dict[str, int] = {}  # request id -> tokens this step, batch order
+        self.computed_before: dict[str, int] = {}  # request id -> tokens computed before
+        self.new_block_ids: dict[str, list[int]] = {}  # running requests' blocks new this step
+        self.new_reqs: list[Request] = []  # admitted from the waiting queue this step
+        self.preempted = False
+
+    def add(self, req: Request, n: int, num_computed: int) -> None:
+        """`req` computes `n` tokens this step, after `num_computed`."""
+        self.num_tokens[req.request_id] = n
+        self.computed_before[req.request_id] = num_computed
+        self.budget -= n
+
+    def take_back(self, req: Request) -> None:
+        """Undoes `add` for a request preempted later in the same step."""
+        rid = req.request_id
+        if rid in self.num_tokens:
+            self.budget += self.num_tokens.pop(rid)
+            del self.computed_before[rid]
+            self.new_block_ids.pop(rid, None)
 
 
 class Scheduler:
+    """Owns every unfinished request: `requests` by id, `waiting` (a queue under the
+    policy) and `running` (in the order their tokens go into each batch)."""
+
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
-        self.finished_req_ids: set[str] = set()  # to tell the runner next step
+        self.finished_req_ids: set[str] = set()  # for the runner to forget, next step
         self.stats = SchedulerStats(num_blocks=kv_cache_manager.num_blocks)
 
     # -- requests in and out -------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        """Queues a new request. ValueError if an unfinished request has its id (the id
+        of a finished one may be reused)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """Ends requests from outside (abort, or a stop string the frontend found)."""
+        """Ends requests from outside (an abort, or a stop string the frontend found)
+        with `status`, which must be a finished one: frees their blocks now and tells
+        the runner next step. Returns the requests ended; unknown ids and finished
+        requests are skipped. A step already scheduled for them gives them nothing."""
         assert RequestStatus.is_finished(status)
         ended = []
         for rid in request_ids:
@@ -78,21 +117,77 @@ class Scheduler:
         self.finished_req_ids.add(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
+        """Whether `schedule()` has anyone to schedule (running or waiting)."""
         return bool(self.running) or len(self.waiting) > 0
 
     @property
     def num_unfinished_requests(self) -> int:
+        """Running plus waiting requests."""
         return len(self.running) + len(self.waiting)
 
     # -- one step ------------------------------------------------------------------
 
+    def schedule(self) -> SchedulerOutput:
+        """Decides the next step: which requests compute how many tokens, within the
+        token budget, `max_num_seqs` and the free KV blocks (preempting when blocks run
+        out). Each scheduled request's `num_computed_tokens` is advanced now, as if the
+        step had run, so the runner must run every step it is given. The output may
+        schedule no token (nothing fits) yet still carry ids for the runner to forget.
+        """
+        step = _StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:  # the pool is short: admitting would only preempt again
+            self._schedule_waiting(step)
+        return self._build_output(step)
+
+    def _schedule_running(self, step: _StepPlan) -> None:
+        """Gives each running request, in order, its next tokens (one decode token or the
+        next prefill chunk), preempting others when its new tokens do not fit in the
+        blocks. Stops when the budget is spent, or when the request being served was
+        itself the victim (every other request outranks it, and nothing is free)."""
+        i = 0
+        while i < len(self.running) and step.budget > 0:
+            req = self.running[i]
+            n = self._num_new_tokens(req, req.num_computed_tokens, step.budget)
+            if n <= 0:
+                i += 1
+                continue
+            blocks = self.kv.allocate_slots(req, n)
+            if blocks is None:
+                blocks = self._preempt_until_allocated(req, n, step)
+                if blocks is None:
+                    return
+                i = self.running.index(req)  # victims ahead of it moved it forward
+            step.add(req, n, req.num_computed_tokens)
+            step.new_block_ids[req.request_id] = [b.block_id for b in blocks]
+            i += 1
+
+    def _preempt_until_allocated(
+        self, req: Request, n: int, step: _StepPlan
+    ) -> list[KVCacheBlock] | None:
+        """Preempts running requests (see `_preempt_one`) until `n` more tokens of `req`
+        fit; returns its new blocks, or None if `req` itself was preempted. A victim
+        already given tokens this step gives them back to the budget."""
+        while True:
+            victim = self._preempt_one()
+            step.preempted = True
+            step.take_back(victim)
+            if victim is req:
+                return None
+            blocks = self.kv.allocate_slots(req, n)
+            if blocks is not None:
+                return blocks
+
     def _preempt_one(self) -> Request:
+        """Preempts the lowest-priority running request (priority: the highest value,
+        then the latest arrival; FCFS: the last admitted): its blocks are freed, its
+        progress reset, and it waits again, keeping its output tokens."""
         if self.config.policy is SchedulingPolicy.PRIORITY:
             victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
             self.running.remove(victim)
         else:
             victim = self.running.pop()
-        self.kv.free(victim)
+        self.kv.free(victim)  # before num_computed_tokens is reset: see KVCacheManager.free
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -101,86 +196,47 @@ class Scheduler:
         self.finished_req_ids.add(victim.request_id)  # the runner drops its state
         return victim
 
-    def schedule(self) -> SchedulerOutput:
+    def _schedule_waiting(self, step: _StepPlan) -> None:
+        """Admits waiting requests in queue order, each starting after its prefix-cache
+        hit, while the budget, `max_num_seqs` and the free blocks allow. Stops at the
+        first that does not fit rather than skip it, so small requests behind a big one
+        cannot starve it."""
         cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_blocks: dict[str, list[int]] = {}
-        computed_before: dict[str, int] = {}
-        preempted_now: set[str] = set()
-        new_reqs: list[Request] = []
-
-        # 1. Running requests, in order.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = self._num_new_tokens(req, req.num_computed_tokens, budget)
-            if n <= 0:
-                i += 1
-                continue
-            while True:
-                blocks = self.kv.allocate_slots(req, n)
-                if blocks is not None:
-                    break
-                idx_before = {id(r): k for k, r in enumerate(self.running)}
-                victim = self._preempt_one()
-                preempted_now.add(victim.request_id)
-                if victim.request_id in num_scheduled:  # scheduled earlier this step: undo
-                    budget += num_scheduled.pop(victim.request_id)
-                    new_blocks.pop(victim.request_id, None)
-                    computed_before.pop(victim.request_id, None)
-                if idx_before[id(victim)] < i:
-                    i -= 1
-                if victim is req:
-                    break
-            if req.status != RequestStatus.RUNNING:
-                break  # req itself was preempted: nothing left to free for it
-            num_scheduled[req.request_id] = n
-            new_blocks[req.request_id] = [b.block_id for b in blocks]
-            computed_before[req.request_id] = req.num_computed_tokens
-            budget -= n
-            i += 1
-
-        # 2. Waiting requests, unless this step already had to preempt.
-        while not preempted_now and budget > 0 and len(self.waiting) > 0:
-            if len(self.running) >= cfg.max_num_seqs:
-                break
+        while step.budget > 0 and len(self.waiting) > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting.peek()
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-            n = self._num_new_tokens(req, num_hit, budget)
+            n = self._num_new_tokens(req, num_hit, step.budget)
             if n <= 0:
                 break
             if not cfg.enable_chunked_prefill and num_hit + n < req.num_tokens:
                 break  # the whole prompt must fit in one step
-            blocks = self.kv.allocate_slots(req, n, num_hit, hit_blocks)
-            if blocks is None:
+            if self.kv.allocate_slots(req, n, num_hit, hit_blocks) is None:
                 break
             self.waiting.pop()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
-            if req.num_cached_tokens < 0:
+            if req.num_cached_tokens < 0:  # first admission, not a resumption
                 req.num_cached_tokens = num_hit
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            new_reqs.append(req)
-            num_scheduled[req.request_id] = n
-            computed_before[req.request_id] = num_hit
-            budget -= n
-
-        return self._make_output(num_scheduled, new_blocks, computed_before, new_reqs)
+            step.new_reqs.append(req)
+            step.add(req, n, num_hit)
 
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
+        """Tokens `req` may compute this step: the rest of its known tokens, capped by
+        the per-chunk threshold, the budget left and max_model_len."""
         n = req.num_tokens - num_computed
-        if (
-            self.config.long_prefill_token_threshold
-            and n > self.config.long_prefill_token_threshold
-        ):
-            n = self.config.long_prefill_token_threshold
-        n = min(n, budget, self.config.max_model_len - num_computed)
-        return n
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and n > threshold:
+            n = threshold
+        return min(n, budget, self.config.max_model_len - num_computed)
 
-    def _make_output(self, num_scheduled, new_blocks, computed_before, new_reqs) -> SchedulerOutput:
-        new_ids = {r.request_id for r in new_reqs}
+    def _build_output(self, step: _StepPlan) -> SchedulerOutput:
+        """The SchedulerOutput for the plan: full data for newly admitted (or resumed)
+        requests, only what changed for the others. Advances each scheduled request's
+        `num_computed_tokens` and the step statistics, and hands over the ids the
+        runner must forget."""
+        computed_before = step.computed_before
         new_data = [
             NewRequestData(
                 req_id=r.request_id,
@@ -191,17 +247,18 @@ class Scheduler:
                 num_computed_tokens=computed_before[r.request_id],
                 eos_token_id=r.eos_token_id,
             )
-            for r in new_reqs
+            for r in step.new_reqs
         ]
         cached = CachedRequestData()
+        new_block_ids = step.new_block_ids
         prefill = decode = 0
         chunked = False
-        for rid, n in num_scheduled.items():
+        for rid, n in step.num_tokens.items():
             req = self.requests[rid]
             before = computed_before[rid]
-            if rid not in new_ids:
+            if rid in new_block_ids:  # scheduled as a running request
                 cached.req_ids.append(rid)
-                cached.new_block_ids.append(new_blocks.get(rid, []))
+                cached.new_block_ids.append(new_block_ids[rid])
                 cached.num_computed_tokens.append(before)
             if n == 1 and req.num_output_tokens > 0 and before == req.num_tokens - 1:
                 decode += 1
@@ -209,9 +266,19 @@ class Scheduler:
                 prefill += n
                 chunked |= before + n < req.num_tokens
             req.num_computed_tokens = before + n
-        # Requests that will need a fresh state in the runner were dropped there.
-        finished = self.finished_req_ids
-        self.finished_req_ids = set()
+        self._record_step(prefill, decode, chunked)
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_data,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=step.num_tokens,
+            total_num_scheduled_tokens=sum(step.num_tokens.values()),
+            finished_req_ids=finished,
+            num_prefill_tokens=prefill,
+            num_decode_tokens=decode,
+        )
+
+    def _record_step(self, prefill: int, decode: int, chunked: bool) -> None:
         s = self.stats
         s.num_steps += 1
         s.step_prefill_tokens, s.step_decode_tokens = prefill, decode
@@ -219,64 +286,73 @@ class Scheduler:
         s.total_decode_tokens += decode
         s.num_mixed_steps += bool(prefill and decode)
         s.num_chunked_prefill_steps += chunked
-        return SchedulerOutput(
-            scheduled_new_reqs=new_data,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=finished,
-            num_prefill_tokens=prefill,
-            num_decode_tokens=decode,
-        )
 
     # -- after the model ran -------------------------------------------------------
 
     def update_from_output(
         self, sched: SchedulerOutput, runner: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
+        """Applies the results of the step `sched` described. Returns one output per
+        request that got tokens or prompt logprobs or finished, in batch order;
+        finished requests are freed (the runner hears of them next step). Requests
+        aborted or preempted since `sched` was made get nothing, even if a new request
+        took the id in the meantime."""
         outputs = []
-        requests, sampled_ids = self.requests, runner.sampled_token_ids
-        running = RequestStatus.RUNNING
+        requests, running = self.requests, RequestStatus.RUNNING
         for rid in sched.num_scheduled_tokens:
             req = requests.get(rid)
             if req is None or req.status != running:
-                continue  # aborted or preempted while the step ran
-            new_tokens: list[int] = []
-            for token in sampled_ids.get(rid, ()):
-                req.append_output_token_ids(token)
-                new_tokens.append(token)
-                if self._check_stop(req):
-                    break
-            prompt_lp = runner.prompt_logprobs.get(rid) if runner.prompt_logprobs else None
-            finished = req.status != running
-            if not new_tokens and prompt_lp is None and not finished:
                 continue
-            outputs.append(
-                EngineCoreOutput(
-                    rid,
-                    new_tokens,
-                    runner.logprobs.get(rid) if runner.logprobs and new_tokens else None,
-                    prompt_lp,
-                    RequestStatus.finish_reason(req.status) if finished else None,
-                    req.stop_reason,
-                    req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
-                    None,
-                    req.first_scheduled_time if req.num_output_tokens == len(new_tokens) else 0.0,
-                )
-            )
-            if finished:
-                self.running.remove(req)
-                self._free(req)
+            out = self._update_request(req, runner)
+            if out is not None:
+                outputs.append(out)
         return outputs
 
+    def _update_request(self, req: Request, runner: ModelRunnerOutput) -> EngineCoreOutput | None:
+        """Appends the request's sampled tokens up to the first that ends it (the rest
+        are dropped); its output, or None if it has nothing to report."""
+        rid = req.request_id
+        new_tokens: list[int] = []
+        finished = False
+        for token in runner.sampled_token_ids.get(rid, ()):
+            req.append_output_token_ids(token)
+            new_tokens.append(token)
+            if self._check_stop(req):
+                finished = True
+                break
+        prompt_lp = runner.prompt_logprobs.get(rid) if runner.prompt_logprobs else None
+        if not new_tokens and prompt_lp is None and not finished:
+            return None  # mid-prefill: nothing to say yet
+        out = EngineCoreOutput(
+            request_id=rid,
+            new_token_ids=new_tokens,
+            new_logprobs=runner.logprobs.get(rid) if runner.logprobs and new_tokens else None,
+            new_prompt_logprobs=prompt_lp,
+            finish_reason=RequestStatus.finish_reason(req.status) if finished else None,
+            stop_reason=req.stop_reason,
+            num_cached_tokens=req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+            # with the first tokens only: the frontend measures queue time once
+            first_scheduled_time=(
+                req.first_scheduled_time if req.num_output_tokens == len(new_tokens) else 0.0
+            ),
+        )
+        if finished:
+            self.running.remove(req)
+            self._free(req)
+        return out
+
     def _check_stop(self, req: Request) -> bool:
+        """Whether the request's last token ends it; if so, sets its finished status
+        (and stop_reason for a stop token). eos and stop tokens count only once
+        min_tokens are out; max_tokens and max_model_len always do."""
         token = req.output_token_ids[-1]
         params = req.sampling_params
         if req.num_output_tokens >= params.min_tokens:
             if token == req.eos_token_id and not params.ignore_eos:
                 req.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if token in params.stop_token_ids:
+            stop_token_ids = params.stop_token_ids
+            if stop_token_ids and token in stop_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = token
                 return True
@@ -286,6 +362,9 @@ class Scheduler:
         return False
 
     def make_stats(self) -> SchedulerStats:
+        """A snapshot of the counters (since start, and of the last step) with the
+        current queue lengths, KV usage and prefix-cache totals: a copy, so the caller
+        may keep or send it while later steps go on."""
         s = self.stats
         s.num_running, s.num_waiting = len(self.running), len(self.waiting)
         s.kv_cache_usage = self.kv.usage()

@@ -1,8 +1,8 @@
 """Tensor-parallel group state that the sharded layers read.
 
-With no distributed group set up, the world is one rank: every layer holds the
-whole weight and no collective runs. `set_tensor_parallel` is how a multi-rank
-worker tells the layers their rank and group once torch.distributed is initialised.
+Only a world of one rank is set up today: every layer holds the whole weight and no
+collective runs. The layers are written against this group so that a multi-rank
+worker can give them their rank and process group.
 """
 
 from __future__ import annotations
@@ -38,10 +38,3 @@ _TP = TensorParallelGroup()
 
 def get_tp_group() -> TensorParallelGroup:
     return _TP
-
-
-def set_tensor_parallel(rank: int, world_size: int, group: dist.ProcessGroup | None) -> None:
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"tensor-parallel rank {rank} is not in [0, {world_size})")
-    global _TP
-    _TP = TensorParallelGroup(rank=rank, world_size=world_size, group=group)

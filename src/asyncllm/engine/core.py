@@ -7,11 +7,18 @@ import logging
 from asyncllm.config import EngineConfig
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.kv_cache_utils import make_block_hasher
-from asyncllm.core.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import Scheduler
-from asyncllm.engine.messages import EngineCoreRequest
-from asyncllm.executor.base import Executor, get_executor_class
+from asyncllm.executor.base import Executor
+from asyncllm.executor.selector import get_executor_class
+from asyncllm.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ErrorKind,
+    RequestError,
+    SchedulerStats,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +50,10 @@ class EngineCore:
                     request_id=req.request_id,
                     new_token_ids=[],
                     finish_reason="abort",
-                    error=f"overloaded: {limit} requests are already waiting (max_waiting_requests)",
+                    error=RequestError(
+                        ErrorKind.OVERLOADED,
+                        f"{limit} requests are already waiting (max_waiting_requests)",
+                    ),
                 )
             )
             return

@@ -11,31 +11,37 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from asyncllm.config import EngineArgs, EngineConfig
-from asyncllm.core.outputs import EngineCoreOutputs, SchedulerStats
 from asyncllm.engine.core import EngineCore
-from asyncllm.engine.core_process import (
-    CoreProcess,
-    EngineDeadError,
-    EngineStartupError,
-    engine_args_to_wire,
+from asyncllm.engine.host_launcher import CoreProcess, startup_message
+from asyncllm.engine.serial import Decoder, Encoder
+from asyncllm.errors import EngineDeadError, EngineStartupError
+from asyncllm.messages import (
+    FROM_CORE,
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    EngineReady,
+    MsgKind,
+    SchedulerStats,
+    UtilityCall,
+    UtilityResult,
 )
-from asyncllm.engine.messages import EngineCoreRequest
-from asyncllm.engine.serial import Decoder, Encoder, MsgKind, UtilityCall, UtilityResult
 
-OUTPUT_TYPES = {
-    MsgKind.READY: dict[str, Any],
-    MsgKind.OUTPUTS: EngineCoreOutputs,
-    MsgKind.UTILITY_RESULT: UtilityResult,
-    MsgKind.DEAD: str,
-}
 POLL_S = 0.25  # how often a waiting client checks that the core process lives
 
 
 class EngineCoreClient(ABC):
+    """How LLMEngine drives an engine core: in this process or in its own."""
+
+    @abstractmethod
+    def __init__(self, config: EngineConfig, args: EngineArgs) -> None: ...
+
     @abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
 
@@ -59,7 +65,7 @@ class InprocClient(EngineCoreClient):
     """The engine core in this process: `get_output` runs one step."""
 
     def __init__(self, config: EngineConfig, args: EngineArgs | None = None) -> None:
-        self.core = EngineCore(config)
+        self.core = EngineCore(config)  # `args` is for the process clients: all is in config
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.core.add_request(request)
@@ -93,17 +99,17 @@ class _MPClientBase:
         self.input.setsockopt(zmq.LINGER, 0)
         self.input.bind(self.process.input_addr)
         self.encoder = Encoder()
-        self.decoder = Decoder(OUTPUT_TYPES)
-        self.info: dict[str, Any] = {}
+        self.decoder = Decoder(FROM_CORE)
+        self.info: EngineReady | None = None
         self.dead_reason: str | None = None
         self._call_ids = itertools.count()
 
-    def _send(self, kind: MsgKind, obj: Any) -> None:
+    def _send(self, msg: EngineCoreRequest | AbortRequests | UtilityCall) -> None:
         """Never blocks: a PUSH socket only refuses when the core is not connected,
         which after startup means it is gone."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        frames = self.encoder.encode(kind, obj)
+        frames = self.encoder.encode(msg)
         for _ in range(100):
             try:
                 self.input.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
@@ -119,7 +125,7 @@ class _MPClientBase:
         self._check_process()
         try:
             self.input.send_multipart(
-                self.encoder.encode(MsgKind.CONFIG, engine_args_to_wire(self.args)),
+                self.encoder.encode(startup_message(self.args)),
                 flags=zmq.NOBLOCK,
             )
             return True
@@ -127,11 +133,11 @@ class _MPClientBase:
             return False
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(MsgKind.ADD, request)
+        self._send(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.dead_reason is None:
-            self._send(MsgKind.ABORT, list(request_ids))
+            self._send(AbortRequests(list(request_ids)))
 
     def _check_process(self) -> None:
         if self.dead_reason is None and not self.process.alive():
@@ -140,9 +146,9 @@ class _MPClientBase:
             raise EngineDeadError(self.dead_reason)
 
     def _on_message(self, kind: MsgKind, obj: Any) -> None:
-        if kind is MsgKind.DEAD:
-            self.dead_reason = obj
-            raise EngineDeadError(obj)
+        if isinstance(obj, EngineDead):
+            self.dead_reason = obj.reason
+            raise EngineDeadError(obj.reason)
 
     def _close_sockets(self) -> None:
         self.input.close(linger=0)
@@ -199,7 +205,7 @@ class SyncMPClient(_MPClientBase, EngineCoreClient):
 
     def call_utility(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
         call_id = next(self._call_ids)
-        self._send(MsgKind.UTILITY, UtilityCall(call_id, method, list(args)))
+        self._send(UtilityCall(call_id, method, list(args)))
         if call_id in self.results:
             result = self.results.pop(call_id)
         else:
@@ -211,7 +217,7 @@ class SyncMPClient(_MPClientBase, EngineCoreClient):
         return result.result
 
     def get_stats(self) -> SchedulerStats:
-        return SchedulerStats(**self.call_utility("get_stats"))
+        return msgspec.convert(self.call_utility("get_stats"), SchedulerStats)
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.call_utility("reset_prefix_cache"))
@@ -306,7 +312,7 @@ class AsyncMPClient(_MPClientBase):
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self.calls[call_id] = fut
-        self._send(MsgKind.UTILITY, UtilityCall(call_id, method, list(args)))
+        self._send(UtilityCall(call_id, method, list(args)))
         try:
             result: UtilityResult = await asyncio.wait_for(fut, timeout)
         finally:

@@ -1,44 +1,24 @@
 """The wire format: msgpack through msgspec, never pickle.
 
-A message is a multipart ZMQ frame list: [kind, payload, *buffers]. numpy arrays
-travel as raw buffers in their own frames (no copy into the msgpack body): the body
-holds an ext record (dtype, shape, frame index).
+A message is a multipart ZMQ frame list: [kind, payload, *buffers]. Only the structs of
+`asyncllm.messages` are sent, each under its own kind; anything else is a `TypeError`
+before a byte leaves. numpy arrays inside a message travel as raw buffers in their own
+frames (no copy into the msgpack body): the body holds an ext record (dtype, shape,
+frame index).
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from asyncllm.messages import KIND_OF, MESSAGE_TYPES, MsgKind
+
 _NDARRAY_EXT = 1
-
-
-class MsgKind(bytes, enum.Enum):
-    # frontend -> core
-    CONFIG = b"C"
-    ADD = b"A"
-    ABORT = b"X"
-    UTILITY = b"U"
-    # core -> frontend
-    READY = b"R"
-    OUTPUTS = b"O"
-    UTILITY_RESULT = b"V"
-    DEAD = b"D"
-
-
-class UtilityCall(msgspec.Struct, array_like=True):
-    call_id: int
-    method: str
-    args: list[Any] = []
-
-
-class UtilityResult(msgspec.Struct, array_like=True):
-    call_id: int
-    result: Any = None
-    error: str | None = None
 
 
 class Encoder:
@@ -50,7 +30,7 @@ class Encoder:
         if isinstance(obj, np.ndarray):
             assert self._buffers is not None
             arr = np.ascontiguousarray(obj)
-            self._buffers.append(memoryview(arr).cast("B"))
+            self._buffers.append(arr.data.cast("B"))
             frame = 1 + len(self._buffers)  # frames: kind, body, then the buffers
             meta = msgspec.msgpack.encode((arr.dtype.str, arr.shape, frame))
             return msgspec.msgpack.Ext(_NDARRAY_EXT, meta)
@@ -58,20 +38,28 @@ class Encoder:
             return obj.value
         raise TypeError(f"cannot send {type(obj).__name__} over the wire")
 
-    def encode(self, kind: MsgKind, obj: Any) -> list[bytes | memoryview]:
+    def encode(self, msg: msgspec.Struct) -> list[bytes | memoryview]:
+        kind = KIND_OF.get(type(msg))
+        if kind is None:
+            raise TypeError(
+                f"only asyncllm.messages structs go over the wire, not {type(msg).__name__}"
+            )
         self._buffers = []
         try:
-            body = self._enc.encode(obj)
+            body = self._enc.encode(msg)
             return [kind.value, body, *self._buffers]
         finally:
             self._buffers = None
 
 
 class Decoder:
-    def __init__(self, types: dict[MsgKind, Any]) -> None:
+    """Decodes the message kinds one side expects (`messages.TO_CORE` or `FROM_CORE`)."""
+
+    def __init__(self, kinds: Iterable[MsgKind]) -> None:
         self._frames: list[Any] = []
         self._decoders = {
-            kind: msgspec.msgpack.Decoder(t, ext_hook=self._ext_hook) for kind, t in types.items()
+            kind: msgspec.msgpack.Decoder(MESSAGE_TYPES[kind], ext_hook=self._ext_hook)
+            for kind in kinds
         }
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:

@@ -1,4 +1,8 @@
-"""LLM: offline batch generation. Give it prompts, get back one RequestOutput each."""
+"""LLM: offline batch generation. Give it prompts, get back one RequestOutput each.
+
+The engine core runs in its own process (as vLLM's LLM does); `multiprocess=False`
+keeps it in this process, for debugging with a plain traceback and breakpoints.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +12,10 @@ from typing import Any
 from asyncllm.config import EngineArgs
 from asyncllm.engine.core_client import InprocClient, SyncMPClient
 from asyncllm.engine.llm_engine import LLMEngine
+from asyncllm.frontend.chat import Messages, as_conversations
 from asyncllm.frontend.input_processor import PromptType
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
-
-Messages = list[dict[str, Any]]
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:
@@ -29,9 +32,10 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
 
 class LLM:
     def __init__(
-        self, model: str | None = None, *, multiprocess: bool = False, **engine_args: Any
+        self, model: str | None = None, *, multiprocess: bool = True, **engine_args: Any
     ) -> None:
-        """`multiprocess=True` runs the engine core in its own process (SyncMPClient)."""
+        """Starts an engine. The core runs in its own process (SyncMPClient) unless
+        `multiprocess=False` (InprocClient: the core in this process, for debugging)."""
         unknown = set(engine_args) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
@@ -60,11 +64,11 @@ class LLM:
             params_list = [sampling_params] * len(prompt_list)
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
-        ip = self.engine.input_processor
+        frontend = self.engine.frontend
         checked = []
         for prompt, params in zip(prompt_list, params_list):
-            params = ip.check_params(params).clone(output_kind=RequestOutputKind.FINAL_ONLY)
-            _, ids = ip.tokenize_prompt(prompt)
+            params = frontend.check_params(params).clone(output_kind=RequestOutputKind.FINAL_ONLY)
+            _, ids = frontend.tokenize_prompt(prompt)
             checked.append((prompt, ids, params))
         return self._run(checked, priority, use_tqdm)
 
@@ -108,40 +112,17 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of {'role', 'content'} dicts) or a list of them,
         through the tokenizer's chat template."""
-        tok = self.get_tokenizer()
-        if tok is None:
-            raise ValueError("chat needs the tokenizer (skip_tokenizer_init is set)")
-        if isinstance(messages, list | tuple) and messages and isinstance(messages[0], dict):
-            conversations = [messages]
-        else:
-            conversations = list(messages)
-        prompts = []
-        for conv in conversations:
-            if (
-                not isinstance(conv, list | tuple)
-                or not all(isinstance(m, dict) for m in conv)
-                or not conv
-            ):
-                raise TypeError(
-                    "messages must be a non-empty list of {'role': ..., 'content': ...} dicts"
-                )
-            ids = tok.apply_chat_template(
-                list(conv),
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                **(chat_template_kwargs or {}),
-            )
-            if not isinstance(ids, list):
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+        frontend = self.engine.frontend
+        prompts: list[PromptType] = [
+            frontend.chat_prompt(conv, add_generation_prompt, chat_template_kwargs)
+            for conv in as_conversations(messages)
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def get_stats(self) -> dict[str, Any]:
-        stats = self.engine.get_stats()
-        out = {f: getattr(stats, f) for f in stats.__struct_fields__}
-        q = stats.prefix_cache_queries
-        out["prefix_cache_hit_rate"] = stats.prefix_cache_hits / q if q else 0.0
-        return out
+        """Running/waiting requests, KV usage, prefix-cache hit rate, preemptions and
+        latency histograms (TTFT, time per output token, end to end, queue time)."""
+        return self.engine.get_stats()
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()

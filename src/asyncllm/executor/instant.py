@@ -35,7 +35,7 @@ class InstantExecutor(Executor):
             computed[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        out = ModelRunnerOutput(req_ids=list(so.num_scheduled_tokens), sampled_token_ids={})
+        out = ModelRunnerOutput(sampled_token_ids={})
         for rid, n in so.num_scheduled_tokens.items():
             if computed[rid] + n >= self.known[rid]:
                 out.sampled_token_ids[rid] = [FIRST_TOKEN + self.known[rid] % 500]

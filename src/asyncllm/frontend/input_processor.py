@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from asyncllm.config import EngineConfig
-from asyncllm.engine.messages import EngineCoreRequest
+from asyncllm.messages import EngineCoreRequest
 from asyncllm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -88,7 +88,7 @@ class InputProcessor:
                 raise ValueError(
                     f"{name} is {v}; at most max_logprobs={self.config.max_logprobs} are allowed"
                 )
-        for t in params.stop_token_ids:
+        for t in params.stop_token_ids or []:
             if t >= self.vocab_size:
                 raise ValueError(f"stop_token_ids has token id {t}, outside [0, {self.vocab_size})")
         for t in params.logit_bias or {}:

@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncllm.core.outputs import EngineCoreOutput
 from asyncllm.frontend.detokenizer import IncrementalDetokenizer
+from asyncllm.messages import EngineCoreOutput, RequestError
 from asyncllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 from asyncllm.step_io import TokenLogprobs
@@ -59,7 +59,7 @@ class RequestState:
                 tokenizer,
                 prompt_token_ids,
                 params.skip_special_tokens,
-                params.stop,
+                [params.stop] if isinstance(params.stop, str) else params.stop,
                 params.include_stop_str_in_output,
             )
             if tokenizer is not None
@@ -120,7 +120,9 @@ class RequestState:
         if out.new_logprobs is not None and self.logprobs is not None:
             dicts = self._to_dicts(out.new_logprobs)
             self.logprobs.extend(dicts)
-            self.cumulative_logprob += sum(lp[0] for lp in out.new_logprobs.logprobs)
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + sum(
+                lp[0] for lp in out.new_logprobs.logprobs
+            )
         stopped = False
         if self.detok is not None and out.new_token_ids:
             stop = self.detok.update(out.new_token_ids)
@@ -162,7 +164,7 @@ class RequestState:
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     reqs_to_abort: list[str]  # ended here (stop string) but still running in the core
-    errors: list[tuple[str, str]] = field(default_factory=list)  # (user request id, reason)
+    errors: list[tuple[str, RequestError]] = field(default_factory=list)  # (user request id, why)
 
 
 class OutputProcessor:

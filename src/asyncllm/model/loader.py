@@ -11,15 +11,15 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch import nn
 
+from asyncllm import envs
 from asyncllm.config import ModelConfig
 from asyncllm.model.attention.backend import AttentionBackend
+from asyncllm.model.interface import CausalLM
 from asyncllm.model.layers.linear import cpu_packing_available
 from asyncllm.model.registry import resolve_model_class
 
@@ -92,7 +92,7 @@ class DefaultModelLoader:
             f"no weights in {str(folder)!r} (looked for *.safetensors and *.bin)"
         )
 
-    def load_model(self, model_config: ModelConfig, backend: AttentionBackend) -> nn.Module:
+    def load_model(self, model_config: ModelConfig, backend: AttentionBackend) -> CausalLM:
         cls = resolve_model_class(model_config.hf_config)
         device, dtype = model_config.device, model_config.dtype
         with torch.device(device), _default_dtype(dtype):
@@ -112,8 +112,9 @@ class DefaultModelLoader:
                 )
         if use_cpu_packing(device, dtype):
             for module in model.modules():
-                if hasattr(module, "pack_for_cpu"):
-                    module.pack_for_cpu()
+                pack = getattr(module, "pack_for_cpu", None)
+                if pack is not None:
+                    pack()
         return model.eval()
 
 
@@ -121,12 +122,12 @@ def use_cpu_packing(device: torch.device, dtype: torch.dtype) -> bool:
     """Prepacked oneDNN weights for float32 on the CPU (ASYNCLLM_CPU_PACKING=0 turns it off)."""
     if device.type != "cpu" or dtype != torch.float32:
         return False
-    if os.environ.get("ASYNCLLM_CPU_PACKING", "1") == "0":
+    if not envs.cpu_packing_enabled():
         return False
     return cpu_packing_available()
 
 
-def load_model(model_config: ModelConfig, backend: AttentionBackend) -> nn.Module:
+def load_model(model_config: ModelConfig, backend: AttentionBackend) -> CausalLM:
     return DefaultModelLoader(model_config.load_format).load_model(model_config, backend)
 
 

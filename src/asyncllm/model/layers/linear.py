@@ -7,6 +7,8 @@ straight into sharded parameters. At tensor-parallel size 1 the slice is the who
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,9 +29,16 @@ def _check_shape(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
         )
 
 
+def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:
+    """Tags a parameter for loading (`weight_loader`, `checkpoint_name`): torch lets a
+    tensor carry attributes, which its type stubs do not declare."""
+    for name, value in attrs.items():
+        setattr(param, name, value)
+
+
 def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape), requires_grad=False)
-    p.weight_loader = loader  # type: ignore[attr-defined]
+    set_weight_attrs(p, weight_loader=loader)
     return p
 
 

@@ -1,13 +1,16 @@
 """RMSNorm, with the residual add fused in when a residual is passed.
 
-On CUDA one Triton kernel does the add, the norm and the scaling (the residual is
-updated in place); elsewhere plain torch.
+On CUDA one Triton kernel does the add, the norm and the scaling; elsewhere the
+kernel's plain-torch reference does the same. Either way the residual is updated in
+place to x + residual.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from asyncllm_kernels.reference import rms_norm_ref
 
 
 class RMSNorm(nn.Module):
@@ -16,17 +19,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before scaling, like the reference models.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`norm(x)`, or with a residual: `(norm(x + residual), x + residual)`."""
+        """`norm(x)`, or with a residual: `(norm(x + residual), x + residual)`, the second
+        being `residual` itself, updated in place."""
         if x.is_cuda:
             from asyncllm_kernels.elementwise import rms_norm
 
@@ -39,6 +36,5 @@ class RMSNorm(nn.Module):
             out = rms_norm(x2, self.weight, self.eps, residual.view(-1, shape[-1]))
             return out.view(shape), residual
         if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+            return rms_norm_ref(x, self.weight, self.eps)
+        return rms_norm_ref(x, self.weight, self.eps, residual), residual

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncllm_kernels.reference import apply_rotary_ref
+
 
 def base_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
@@ -85,6 +87,8 @@ def yarn_inv_freq(
 
 
 class RotaryEmbedding(nn.Module):
+    cos_sin_cache: torch.Tensor  # [max_position, rotary_dim]: cos, then sin
+
     def __init__(
         self,
         head_size: int,
@@ -103,37 +107,25 @@ class RotaryEmbedding(nn.Module):
             t = torch.arange(max_position, dtype=torch.float32)
             freqs = torch.outer(t, inv_freq.float().cpu())
             cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scaling
-        # Kept in float32 whatever the model dtype; rows are cast when gathered.
+        # Kept in float32 whatever the model dtype: the rotation is computed in float32.
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        if self.is_neox_style:
-            x1, x2 = rot.chunk(2, dim=-1)
-            out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        else:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-            out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
-        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq * D] or [T, Hq, D]; k likewise. Returns them rotated, same shapes
-        (on CUDA rotated in place by one Triton kernel; elsewhere new tensors)."""
+        (on CUDA rotated in place by one Triton kernel; elsewhere new tensors, from the
+        kernel's plain-torch reference)."""
+        q3 = q.view(q.shape[0], -1, self.head_size)
+        k3 = k.view(k.shape[0], -1, self.head_size)
         if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
             from asyncllm_kernels.rotary import apply_rotary_
 
-            q3 = q.view(q.shape[0], -1, self.head_size)
-            k3 = k.view(k.shape[0], -1, self.head_size)
             apply_rotary_(positions, q3, k3, self.cos_sin_cache, self.is_neox_style)
             return q, k
-        cos, sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype).chunk(2, dim=-1)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q_shape, k_shape = q.shape, k.shape
-        q = self._rotate(q.view(q.shape[0], -1, self.head_size), cos, sin)
-        k = self._rotate(k.view(k.shape[0], -1, self.head_size), cos, sin)
-        return q.reshape(q_shape), k.reshape(k_shape)
+        q3 = apply_rotary_ref(positions, q3, self.cos_sin_cache, self.is_neox_style)
+        k3 = apply_rotary_ref(positions, k3, self.cos_sin_cache, self.is_neox_style)
+        return q3.reshape(q.shape), k3.reshape(k.shape)
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:

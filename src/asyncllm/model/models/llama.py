@@ -14,12 +14,14 @@ import torch
 from torch import nn
 
 from asyncllm.model.attention.backend import AttentionBackend, AttentionLayerSpec
+from asyncllm.model.interface import CausalLM, KVCacheSpec
 from asyncllm.model.layers.activation import SiluAndMul
 from asyncllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from asyncllm.model.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    set_weight_attrs,
 )
 from asyncllm.model.layers.norm import RMSNorm
 from asyncllm.model.layers.rotary import get_rope, rope_parameters
@@ -76,7 +78,7 @@ class LlamaAttention(nn.Module):
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         out = self.backend.forward(self.spec, q, k, v, kv_cache, attn_metadata)
@@ -124,11 +126,14 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
+        layers = [
             LlamaDecoderLayer(config, i, backend, qkv_bias, qk_norm)
             for i in range(config.num_hidden_layers)
-        )
+        ]
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        attn = layers[0].self_attn  # every layer has the same KV heads
+        self.kv_cache_spec = KVCacheSpec(len(layers), attn.num_kv_heads, attn.head_dim)
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
@@ -138,7 +143,7 @@ class LlamaModel(nn.Module):
         return x
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     # checkpoint name fragment -> (our parameter fragment, shard id)
     stacked_params = (
         (".q_proj.", ".qkv_proj.", "q"),
@@ -160,11 +165,10 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
         for name, p in self.named_parameters():
-            p.checkpoint_name = name
+            set_weight_attrs(p, checkpoint_name=name)
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.model.layers)
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return self.model.kv_cache_spec
 
     def forward(
         self,
@@ -197,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(
                     f"checkpoint has weight {ckpt_name!r}, which {type(self).__name__} does not have"
                 )
-            param.checkpoint_name = ckpt_name
+            set_weight_attrs(param, checkpoint_name=ckpt_name)
             loader = getattr(param, "weight_loader", None)
             if loader is None:
                 if tuple(param.shape) != tuple(tensor.shape):
@@ -218,9 +222,6 @@ class LlamaForCausalLM(nn.Module):
             if fragment in ckpt_name:
                 return ckpt_name.replace(fragment, ours), shard
         return ckpt_name, None
-
-    def expected_parameters(self) -> set[str]:
-        return set(dict(self.named_parameters()).keys())
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -1,8 +1,10 @@
-"""Starting and owning an engine-core process, and the errors clients raise about it."""
+"""The host's side of the process boundary: starting and owning an engine-core process
+(which runs `engine.core_main`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -14,24 +16,14 @@ from typing import Any
 import torch
 
 from asyncllm.config import EngineArgs
+from asyncllm.messages import EngineStartup
 
 MAX_IPC_PATH = 107  # bytes in a unix socket path (sun_path)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine core is gone (killed, crashed, shut down); nothing more will come."""
-
-
-class EngineStartupError(RuntimeError):
-    """The engine core could not start; the message carries its reason."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """The engine refused a request: too many are already waiting."""
-
-
-def engine_args_to_wire(args: EngineArgs) -> dict[str, Any]:
-    out = {}
+def startup_message(args: EngineArgs) -> EngineStartup:
+    """The engine arguments as plain values (dtypes and devices by name)."""
+    out: dict[str, Any] = {}
     for f in dataclasses.fields(args):
         v = getattr(args, f.name)
         if isinstance(v, torch.dtype):
@@ -39,7 +31,7 @@ def engine_args_to_wire(args: EngineArgs) -> dict[str, Any]:
         elif isinstance(v, torch.device):
             v = str(v)
         out[f.name] = v
-    return out
+    return EngineStartup(engine_args=out)
 
 
 def _private_ipc_dir() -> str:
@@ -53,15 +45,10 @@ def _private_ipc_dir() -> str:
 def _child_env() -> dict[str, str]:
     """Our environment, with the folders asyncllm was imported from on PYTHONPATH, so a
     source checkout works without installing."""
-    import asyncllm
-
-    roots = [str(Path(asyncllm.__file__).resolve().parents[1])]
-    try:
-        import asyncllm_kernels
-
-        roots.append(str(Path(asyncllm_kernels.__file__).resolve().parents[1]))
-    except ImportError:
-        pass
+    roots = [str(Path(__file__).resolve().parents[2])]  # .../<root>/asyncllm/engine/
+    kernels = importlib.util.find_spec("asyncllm_kernels")
+    if kernels is not None and kernels.origin is not None:
+        roots.append(str(Path(kernels.origin).resolve().parents[1]))
     env = dict(os.environ)
     old = env.get("PYTHONPATH")
     env["PYTHONPATH"] = os.pathsep.join(roots + ([old] if old else []))
@@ -86,7 +73,7 @@ class CoreProcess:
             [
                 sys.executable,
                 "-m",
-                "asyncllm.engine.core_proc",
+                "asyncllm.engine.core_main",
                 "--input",
                 self.input_addr,
                 "--output",

@@ -1,9 +1,10 @@
-"""EngineCoreProc: the engine core in its own process.
+"""EngineCoreProc: the engine core's side of the process boundary (its own process).
 
-Started as `python -m asyncllm.engine.core_proc --input ADDR --output ADDR` by a client
+Started as `python -m asyncllm.engine.core_main --input ADDR --output ADDR` by a client
 (never by multiprocessing re-importing the caller's __main__), so user scripts need no
-`if __name__ == "__main__"` guard. The first message is the engine arguments; the
-process answers READY (or DEAD with the reason) once the model is loaded.
+`if __name__ == "__main__"` guard. The first message is EngineStartup (the engine
+arguments); the process answers EngineReady (or EngineDead with the reason) once the
+model is loaded. `host_launcher` is the other side: it starts this process.
 
 Threads: one decodes input frames into a queue (malformed frames are logged and
 dropped), one encodes and sends outputs, and the main thread steps the core while work
@@ -25,18 +26,29 @@ from typing import Any
 
 import zmq
 
-from asyncllm.core.outputs import EngineCoreOutput, EngineCoreOutputs
-from asyncllm.engine.messages import EngineCoreRequest
-from asyncllm.engine.serial import Decoder, Encoder, MsgKind, UtilityCall, UtilityResult
+from asyncllm import envs
+from asyncllm.config import EngineArgs
+from asyncllm.engine.arg_utils import create_engine_config
+from asyncllm.engine.core import EngineCore
+from asyncllm.engine.serial import Decoder, Encoder
+from asyncllm.messages import (
+    TO_CORE,
+    AbortRequests,
+    DeadKind,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    EngineReady,
+    EngineStartup,
+    ErrorKind,
+    MsgKind,
+    RequestError,
+    UtilityCall,
+    UtilityResult,
+)
 
 logger = logging.getLogger("asyncllm.engine_core")
-
-INPUT_TYPES = {
-    MsgKind.CONFIG: dict[str, Any],
-    MsgKind.ADD: EngineCoreRequest,
-    MsgKind.ABORT: list[str],
-    MsgKind.UTILITY: UtilityCall,
-}
 
 
 def _watch_parent() -> None:
@@ -75,39 +87,40 @@ class EngineCoreProc:
         self.encoder = Encoder()
         self.in_q: queue.Queue = queue.Queue()
         self.out_q: queue.Queue = queue.Queue()
-        self.core = None
+        self.core: EngineCore | None = None
         self._input_thread: threading.Thread | None = None
         self._output_thread: threading.Thread | None = None
 
-    def send_now(self, kind: MsgKind, obj: Any) -> None:
-        self.output.send_multipart(self.encoder.encode(kind, obj), copy=False)
+    def send_now(self, msg: Any) -> None:
+        self.output.send_multipart(self.encoder.encode(msg), copy=False)
 
-    def start(self) -> None:
-        decoder = Decoder(INPUT_TYPES)
-        kind, cfg = decoder.decode(self.input.recv_multipart(copy=False))
-        if kind is not MsgKind.CONFIG:
+    def start(self) -> EngineCore:
+        decoder = Decoder(TO_CORE)
+        kind, startup = decoder.decode(self.input.recv_multipart(copy=False))
+        if not isinstance(startup, EngineStartup):
             raise RuntimeError(f"expected the engine arguments first, got {kind.name}")
         try:
-            from asyncllm.config import EngineArgs
-            from asyncllm.engine.core import EngineCore
-
-            args = EngineArgs(**cfg)
-            config = args.create_engine_config()
-            self.core = EngineCore(config)
+            engine_args: dict[str, Any] = dict(startup.engine_args)
+            config = create_engine_config(EngineArgs(**engine_args))
+            core = self.core = EngineCore(config)
         except BaseException as e:  # noqa: BLE001 (every failure goes to the client)
-            self.report_death(f"engine core failed to start: {type(e).__name__}: {e}")
+            self.report_death(
+                DeadKind.STARTUP_FAILED, f"engine core failed to start: {type(e).__name__}: {e}"
+            )
             raise _Reported() from e
-        info = {
-            "max_model_len": config.model.max_model_len,
-            "num_blocks": self.core.num_blocks,
-            "block_size": config.cache.block_size,
-            "vocab_size": int(config.model.hf_config.vocab_size),
-        }
-        self.send_now(MsgKind.READY, info)
+        self.send_now(
+            EngineReady(
+                max_model_len=config.model.max_model_len,
+                num_blocks=core.num_blocks,
+                block_size=config.cache.block_size,
+                vocab_size=int(config.model.hf_config.vocab_size),
+            )
+        )
         threading.Thread(
             target=self._input_loop, args=(decoder,), daemon=True, name="core-input"
         ).start()
         threading.Thread(target=self._output_loop, daemon=True, name="core-output").start()
+        return core
 
     def _input_loop(self, decoder: Decoder) -> None:
         while True:
@@ -127,15 +140,14 @@ class EngineCoreProc:
             item = self.out_q.get()
             if item is None:  # the process is ending: the main thread takes the socket back
                 return
-            kind, obj = item
-            self.output.send_multipart(encoder.encode(kind, obj), copy=False)
+            self.output.send_multipart(encoder.encode(item), copy=False)
 
-    def report_death(self, reason: str) -> None:
-        """Sends DEAD behind any pending outputs, then stops the output thread."""
+    def report_death(self, kind: DeadKind, reason: str) -> None:
+        """Sends EngineDead behind any pending outputs, then stops the output thread."""
         if self._output_thread is None:
-            self.send_now(MsgKind.DEAD, reason)
+            self.send_now(EngineDead(kind, reason))
             return
-        self.out_q.put((MsgKind.DEAD, reason))
+        self.out_q.put(EngineDead(kind, reason))
         self.out_q.put(None)
         self._output_thread.join(timeout=5.0)
 
@@ -149,45 +161,44 @@ class EngineCoreProc:
             self.input.close(linger=0)
         self.ctx.term()
 
-    def _handle(self, kind: MsgKind, obj: Any) -> None:
-        core = self.core
-        if kind is MsgKind.ADD:
+    def _handle(self, core: EngineCore, kind: MsgKind, obj: Any) -> None:
+        if isinstance(obj, EngineCoreRequest):
             try:
                 core.add_request(obj)
             except (ValueError, TypeError) as e:
-                err = EngineCoreOutput(obj.request_id, [], finish_reason="abort", error=str(e))
-                self.out_q.put((MsgKind.OUTPUTS, EngineCoreOutputs(outputs=[err])))
-        elif kind is MsgKind.ABORT:
-            core.abort_requests(obj)
-        elif kind is MsgKind.UTILITY:
-            self.out_q.put((MsgKind.UTILITY_RESULT, self._utility(obj)))
+                error = RequestError(ErrorKind.INVALID, str(e))
+                err = EngineCoreOutput(obj.request_id, [], finish_reason="abort", error=error)
+                self.out_q.put(EngineCoreOutputs(outputs=[err]))
+        elif isinstance(obj, AbortRequests):
+            core.abort_requests(obj.request_ids)
+        elif isinstance(obj, UtilityCall):
+            self.out_q.put(self._utility(core, obj))
         else:
             logger.warning("ignored a %s message", kind.name)
 
-    def _utility(self, call: UtilityCall) -> UtilityResult:
+    def _utility(self, core: EngineCore, call: UtilityCall) -> UtilityResult:
         try:
             if call.method == "ping":
                 return UtilityResult(call.call_id, "pong")
             if call.method == "get_stats":
-                return UtilityResult(call.call_id, self.core.get_stats())
+                return UtilityResult(call.call_id, core.get_stats())
             if call.method == "reset_prefix_cache":
-                return UtilityResult(call.call_id, self.core.reset_prefix_cache())
+                return UtilityResult(call.call_id, core.reset_prefix_cache())
             return UtilityResult(call.call_id, error=f"unknown utility {call.method!r}")
         except Exception as e:  # noqa: BLE001 (reported to the caller)
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
 
-    def run_busy_loop(self) -> None:
-        core = self.core
+    def run_busy_loop(self, core: EngineCore) -> None:
         while True:
             if not core.has_unfinished_requests() and not core.has_pending_outputs():
-                self._handle(*self.in_q.get())
+                self._handle(core, *self.in_q.get())
             while True:
                 try:
-                    self._handle(*self.in_q.get_nowait())
+                    self._handle(core, *self.in_q.get_nowait())
                 except queue.Empty:
                     break
             if core.has_unfinished_requests() or core.has_pending_outputs():
-                self.out_q.put((MsgKind.OUTPUTS, core.step()))
+                self.out_q.put(core.step())
 
 
 def main() -> None:
@@ -196,7 +207,7 @@ def main() -> None:
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
     logging.basicConfig(
-        level=os.environ.get("ASYNCLLM_LOG_LEVEL", "WARNING"),
+        level=envs.log_level(),
         stream=sys.stderr,
         format="%(asctime)s engine-core %(levelname)s %(message)s",
     )
@@ -206,15 +217,14 @@ def main() -> None:
     proc = EngineCoreProc(args.input, args.output)
     code = 0
     try:
-        proc.start()
-        proc.run_busy_loop()
+        proc.run_busy_loop(proc.start())
     except _Stop as e:
-        proc.report_death(f"engine core stopped by {e}")
+        proc.report_death(DeadKind.STOPPED, f"engine core stopped by {e}")
     except _Reported:
         code = 1
     except BaseException as e:  # noqa: BLE001
         logger.exception("engine core failed")
-        proc.report_death(f"engine core died: {type(e).__name__}: {e}")
+        proc.report_death(DeadKind.CRASHED, f"engine core died: {type(e).__name__}: {e}")
         code = 1
     finally:
         try:

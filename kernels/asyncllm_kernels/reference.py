@@ -1,0 +1,106 @@
+"""Plain-torch references for the Triton kernels: the tests compare each kernel with its
+reference, and asyncllm's layers run these on devices without the kernels (the CPU).
+
+Kept apart from the kernel modules so that using them imports torch only: importing a
+kernel module imports Triton and fixes the mode of its `triton.jit` kernels (compiled,
+or interpreted under TRITON_INTERPRET=1) at that moment.
+
+Precision follows the kernels: the arithmetic is done in float32 and the result is
+rounded once to the input's dtype (for float32 inputs that is the plain computation).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def reshape_and_cache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """key/value: [T, H, D]; caches: [num_blocks, block_size, H, D]. Token t goes to slot
+    `slot_mapping[t]` (block * block_size + offset); a negative slot is not written."""
+    rows = torch.nonzero(slot_mapping >= 0).flatten()
+    slots = slot_mapping.index_select(0, rows).long()
+    for src, cache in ((key, key_cache), (value, value_cache)):
+        flat = cache.view(-1, *src.shape[1:])
+        flat.index_copy_(0, slots, src.index_select(0, rows).to(cache.dtype))
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """norm(x) or, with a residual, norm(x + residual) with the residual updated in place
+    to x + residual (rounded to its dtype, as the models do). The normalised value is
+    cast back to x's dtype before the scaling, as the reference models do."""
+    dtype = x.dtype
+    if residual is not None:
+        x = residual.add_(x)
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(dtype)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] for x: [..., 2d]."""
+    d = x.shape[-1] // 2
+    return (F.silu(x[..., :d].float()) * x[..., d:].float()).to(x.dtype)
+
+
+def apply_rotary_ref(
+    positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool = True
+) -> torch.Tensor:
+    """x: [T, H, D] rotated by the rows of `cos_sin_cache` ([max_position, rotary_dim]:
+    cos then sin) at `positions`; NeoX (halves) or GPT-J (pairs) layout. Dimensions past
+    rotary_dim are left alone. Returns a new tensor."""
+    rot_dim = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rot, rest = x[..., :rot_dim].float(), x[..., rot_dim:]
+    if is_neox:
+        x1, x2 = rot.chunk(2, dim=-1)
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    out = out.to(x.dtype)
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Plain torch, one sequence at a time, float32. Arguments as `paged_attention`'s."""
+    out = torch.empty_like(q)
+    block_size, Hkv = key_cache.shape[1], key_cache.shape[2]
+    group = q.shape[1] // Hkv
+    for i in range(len(seq_lens)):
+        start, end, n = int(query_start_loc[i]), int(query_start_loc[i + 1]), int(seq_lens[i])
+        if end == start:
+            continue
+        blocks = block_table[i, : -(-n // block_size)].long()
+        k = key_cache[blocks].reshape(-1, Hkv, q.shape[2])[:n].float().repeat_interleave(group, 1)
+        v = value_cache[blocks].reshape(-1, Hkv, q.shape[2])[:n].float().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
+        if soft_cap:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        qpos = torch.arange(n - (end - start), n, device=q.device)[:, None]
+        kpos = torch.arange(n, device=q.device)[None, :]
+        mask = kpos <= qpos
+        if sliding_window:
+            mask &= kpos > qpos - sliding_window
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out

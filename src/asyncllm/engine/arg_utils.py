@@ -1,0 +1,102 @@
+"""EngineArgs -> EngineConfig: the step that reaches into the model and sampler layers
+(resolving the model folder, reading its Hugging Face config, importing logits
+processors), kept out of the leaf `config` module."""
+
+from __future__ import annotations
+
+from asyncllm.config import (
+    CacheConfig,
+    EngineArgs,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SchedulingPolicy,
+    resolve_device,
+    resolve_dtype,
+)
+from asyncllm.model.source import resolve_model_path
+from asyncllm.sample.logits_processor import load_logits_processor_class
+
+
+def create_model_config(args: EngineArgs) -> ModelConfig:
+    """Resolves the model to a local folder (converting a GGUF once) and reads its config."""
+    from transformers import AutoConfig  # imported when needed: it takes seconds
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    path = resolve_model_path(args.model, revision=args.revision)
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model folder {str(path)!r} has no usable config.json: {e}") from e
+    limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+    max_len = args.max_model_len or limit or 2048
+    if limit and max_len > limit:
+        raise ValueError(
+            f"max_model_len {max_len} exceeds the model's max_position_embeddings ({limit})"
+        )
+    return ModelConfig(
+        model=args.model,
+        path=path,
+        hf_config=hf_config,
+        dtype=dtype,
+        device=device,
+        max_model_len=max_len,
+        load_format=args.load_format,
+        seed=args.seed,
+        tokenizer=args.tokenizer or str(path),
+    )
+
+
+def create_engine_config(args: EngineArgs) -> EngineConfig:
+    """Everything the engine needs, checked: the model resolved, the logits processors
+    importable, the scheduler and cache settings filled in."""
+    for path in args.logits_processors or []:
+        load_logits_processor_class(path)  # fail here, with the path named
+    model = create_model_config(args)
+    if args.attention_backend == "triton" and model.device.type != "cuda":
+        raise ValueError(f"attention_backend 'triton' needs a CUDA device, got {model.device}")
+    batched = args.max_num_batched_tokens
+    if batched is None:
+        batched = 2048 if args.enable_chunked_prefill else max(2048, model.max_model_len)
+    elif not args.enable_chunked_prefill and batched < model.max_model_len:
+        raise ValueError(
+            f"without chunked prefill, max_num_batched_tokens ({batched}) must be at least "
+            f"max_model_len ({model.max_model_len})"
+        )
+    scheduler = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=batched,
+        max_model_len=model.max_model_len,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        # a cap on prefill chunks: meaningless (and a stall) when prompts cannot be chunked
+        long_prefill_token_threshold=(
+            args.long_prefill_token_threshold if args.enable_chunked_prefill else 0
+        ),
+        policy=SchedulingPolicy(args.scheduling_policy),
+        max_waiting_requests=args.max_waiting_requests,
+    )
+    cache = CacheConfig(
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=float(args.gpu_memory_utilization),
+    )
+    parallel = ParallelConfig(
+        args.tensor_parallel_size,
+        args.pipeline_parallel_size,
+        args.distributed_executor_backend,
+    )
+    return EngineConfig(
+        model=model,
+        cache=cache,
+        scheduler=scheduler,
+        parallel=parallel,
+        logits_processors=list(args.logits_processors or []),
+        skip_tokenizer_init=args.skip_tokenizer_init,
+        enforce_eager=args.enforce_eager,
+        max_logprobs=args.max_logprobs,
+        attention_backend=args.attention_backend,
+    )

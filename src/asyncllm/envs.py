@@ -1,0 +1,31 @@
+"""Every `ASYNCLLM_*` environment variable, read here and nowhere else.
+
+A leaf module (standard library only). Values are read when asked for, not at import,
+so a test or a host that sets a variable before starting an engine is heard.
+
+- `ASYNCLLM_CACHE`: folder for converted models (default `~/.cache/asyncllm`).
+- `ASYNCLLM_CPU_PACKING`: `0` turns off prepacked oneDNN weights for float32 on the CPU
+  (default `1`).
+- `ASYNCLLM_LOG_LEVEL`: the engine-core process's logging level (default `WARNING`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+VARIABLES = ("ASYNCLLM_CACHE", "ASYNCLLM_CPU_PACKING", "ASYNCLLM_LOG_LEVEL")
+
+
+def cache_root() -> Path:
+    """Where converted models live: $ASYNCLLM_CACHE, default ~/.cache/asyncllm."""
+    value = os.environ.get("ASYNCLLM_CACHE")
+    return Path(value) if value else Path.home() / ".cache" / "asyncllm"
+
+
+def cpu_packing_enabled() -> bool:
+    return os.environ.get("ASYNCLLM_CPU_PACKING", "1") != "0"
+
+
+def log_level() -> str:
+    return os.environ.get("ASYNCLLM_LOG_LEVEL", "WARNING").upper()

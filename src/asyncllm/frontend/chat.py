@@ -1,0 +1,52 @@
+"""Conversations through the tokenizer's chat template, for both entry points."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+Messages = list[dict[str, Any]]
+
+_SHAPE = "messages must be a non-empty list of {'role': ..., 'content': ...} dicts"
+
+
+def as_conversations(messages: Messages | Sequence[Messages]) -> list[Messages]:
+    """One conversation or a list of them -> a list of conversations (each checked)."""
+    if not isinstance(messages, list | tuple) or not messages:
+        raise TypeError(_SHAPE)
+    conversations: list[Any]
+    if isinstance(messages[0], dict):
+        conversations = [messages]
+    else:
+        conversations = list(messages)
+    for conv in conversations:
+        check_conversation(conv)
+    return [list(c) for c in conversations]
+
+
+def check_conversation(conv: Any) -> None:
+    if not isinstance(conv, list | tuple) or not conv or not all(isinstance(m, dict) for m in conv):
+        raise TypeError(_SHAPE)
+
+
+def render_chat(
+    tokenizer: Any | None,
+    messages: Messages,
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The prompt (as {'prompt_token_ids': [...]}) for one conversation."""
+    if tokenizer is None:
+        raise ValueError("chat needs the tokenizer (skip_tokenizer_init is set)")
+    check_conversation(messages)
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise TypeError("chat_template_kwargs must be a dict")
+    ids = tokenizer.apply_chat_template(
+        list(messages),
+        add_generation_prompt=add_generation_prompt,
+        tokenize=True,
+        **(chat_template_kwargs or {}),
+    )
+    if not isinstance(ids, list):
+        ids = ids["input_ids"]
+    return {"prompt_token_ids": list(ids)}

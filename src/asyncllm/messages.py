@@ -1,0 +1,170 @@
+"""Every message that crosses the process boundary between a frontend and its engine
+core: msgspec structs, sent as msgpack by `engine.serial` (which refuses anything else).
+
+A leaf module: the frontend, the engine and the core's scheduler all import it, and it
+imports only other leaves. Each message type has its own one-byte kind on the wire.
+
+frontend -> core: EngineStartup (first, once), EngineCoreRequest, AbortRequests,
+UtilityCall. core -> frontend: EngineReady (once), EngineCoreOutputs, UtilityResult,
+EngineDead (last).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from asyncllm.sampling_params import SamplingParams
+from asyncllm.step_io import TokenLogprobs
+
+# --- frontend -> core ------------------------------------------------------------------
+
+WireValue = str | int | float | bool | list[str] | None
+
+
+class EngineStartup(msgspec.Struct, kw_only=True):
+    """The engine arguments (EngineArgs fields as plain values), sent before anything."""
+
+    engine_args: dict[str, WireValue]
+
+
+class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    max_tokens: int  # resolved: never past max_model_len
+    arrival_time: float
+    priority: int = 0
+
+
+class AbortRequests(msgspec.Struct, array_like=True):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, array_like=True):
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+# --- core -> frontend ------------------------------------------------------------------
+
+
+class EngineReady(msgspec.Struct, kw_only=True):
+    """The core loaded its model and sized its KV cache."""
+
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    vocab_size: int
+
+
+class DeadKind(enum.StrEnum):
+    STARTUP_FAILED = "startup_failed"  # the core never became ready
+    STOPPED = "stopped"  # SIGTERM/SIGINT
+    CRASHED = "crashed"  # an exception in the core's loop
+
+
+class EngineDead(msgspec.Struct, array_like=True):
+    """The core's last message: why it is going away."""
+
+    kind: DeadKind
+    reason: str
+
+
+class ErrorKind(enum.StrEnum):
+    OVERLOADED = "overloaded"  # refused: max_waiting_requests are already waiting
+    INVALID = "invalid"  # refused: the core found the request malformed
+    FAILED = "failed"  # accepted, then failed in the core (the engine lives on)
+
+
+class RequestError(msgspec.Struct, array_like=True):
+    kind: ErrorKind
+    message: str
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one request got from one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: TokenLogprobs | None = None
+    new_prompt_logprobs: TokenLogprobs | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: RequestError | None = None  # the request was refused or failed
+    # time.monotonic() (one clock for all processes of the machine) when the request was
+    # first scheduled; sent with its first tokens, for queue-time statistics
+    first_scheduled_time: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    # this step
+    step_prefill_tokens: int = 0
+    step_decode_tokens: int = 0
+    # since start
+    num_steps: int = 0
+    num_mixed_steps: int = 0  # prefill and decode tokens in one batch
+    num_chunked_prefill_steps: int = 0  # some prompt was only partly computed
+    total_prefill_tokens: int = 0
+    total_decode_tokens: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
+    """One step's outputs, one message."""
+
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+
+
+class UtilityResult(msgspec.Struct, array_like=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+# --- kinds on the wire -----------------------------------------------------------------
+
+
+class MsgKind(bytes, enum.Enum):
+    # frontend -> core
+    STARTUP = b"C"
+    ADD = b"A"
+    ABORT = b"X"
+    UTILITY = b"U"
+    # core -> frontend
+    READY = b"R"
+    OUTPUTS = b"O"
+    UTILITY_RESULT = b"V"
+    DEAD = b"D"
+
+
+MESSAGE_TYPES: dict[MsgKind, type[msgspec.Struct]] = {
+    MsgKind.STARTUP: EngineStartup,
+    MsgKind.ADD: EngineCoreRequest,
+    MsgKind.ABORT: AbortRequests,
+    MsgKind.UTILITY: UtilityCall,
+    MsgKind.READY: EngineReady,
+    MsgKind.OUTPUTS: EngineCoreOutputs,
+    MsgKind.UTILITY_RESULT: UtilityResult,
+    MsgKind.DEAD: EngineDead,
+}
+KIND_OF: dict[type, MsgKind] = {t: k for k, t in MESSAGE_TYPES.items()}
+TO_CORE = (MsgKind.STARTUP, MsgKind.ADD, MsgKind.ABORT, MsgKind.UTILITY)
+FROM_CORE = (MsgKind.READY, MsgKind.OUTPUTS, MsgKind.UTILITY_RESULT, MsgKind.DEAD)
