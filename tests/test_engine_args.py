@@ -6,8 +6,12 @@ import pytest
 import torch
 
 from asyncllm import EngineArgs
-from asyncllm.config import resolve_device, resolve_dtype
-from asyncllm.engine.arg_utils import create_engine_config, create_model_config
+from asyncllm.engine.arg_utils import (
+    create_engine_config,
+    create_model_config,
+    resolve_device,
+    resolve_dtype,
+)
 
 
 @pytest.mark.parametrize(

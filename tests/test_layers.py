@@ -8,7 +8,10 @@ it, and no set of modules may import each other in a circle.
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,3 +193,24 @@ def test_every_asyncllm_variable_is_documented_in_envs():
     read = set(env_reads(MODULES["asyncllm.envs"]))
     assert read == set(envs.VARIABLES)
     assert all(v in (envs.__doc__ or "") for v in read)
+
+
+def test_core_and_the_leaves_import_without_torch():
+    # DESIGN: the scheduler and KV cache manager are pure Python, tested without a model;
+    # the wire types and the public data types come with them.
+    mods = [m for m in MODULES if m.startswith("asyncllm.core")] + [
+        "asyncllm",
+        "asyncllm.config",
+        "asyncllm.envs",
+        "asyncllm.errors",
+        "asyncllm.messages",
+        "asyncllm.outputs",
+        "asyncllm.sampling_params",
+        "asyncllm.step_io",
+        "asyncllm.engine.serial",
+    ]
+    code = f"import sys\nfor m in {mods!r}:\n    __import__(m)\nprint(sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'transformers')))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(r) for r in SOURCE_ROOTS)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -6,51 +6,20 @@ import enum
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+DTYPE_NAMES = ("float32", "float", "float16", "half", "bfloat16")  # and "auto"
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
-    if isinstance(device, torch.device):
-        device = str(device)
-    if not isinstance(device, str):
-        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"device {device!r} is not a valid torch device") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for but CUDA is not available")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", 0)  # the first visible GPU (CUDA_VISIBLE_DEVICES picks it)
-    return dev
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' is bfloat16 on a GPU and float32 on the CPU."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype {dtype} is not supported (float32, float16, bfloat16)")
-        return dtype
-    if not isinstance(dtype, str):
-        raise TypeError(f"dtype must be a str or torch.dtype, got {type(dtype).__name__}")
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of 'auto', {', '.join(map(repr, _DTYPES))}")
-    return _DTYPES[dtype]
+def _is_torch_object(value: Any, type_name: str) -> bool:
+    """isinstance(value, torch.<type_name>) without importing torch here: this module is
+    a leaf that the torch-free scheduler imports."""
+    t = type(value)
+    return t.__module__ == "torch" and t.__name__ == type_name
 
 
 @dataclass
@@ -191,11 +160,13 @@ class EngineArgs:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {self.load_format!r} is not one of {LOAD_FORMATS}")
-        if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _DTYPES:
+        if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ValueError(
-                f"dtype {self.dtype!r} is not one of 'auto', {', '.join(map(repr, _DTYPES))}"
+                f"dtype {self.dtype!r} is not one of 'auto', {', '.join(map(repr, DTYPE_NAMES))}"
             )
-        if not isinstance(self.device, str | torch.device):
+        if not isinstance(self.dtype, str) and not _is_torch_object(self.dtype, "dtype"):
+            raise TypeError(f"dtype must be a str or torch.dtype, got {type(self.dtype).__name__}")
+        if not isinstance(self.device, str) and not _is_torch_object(self.device, "device"):
             raise TypeError(
                 f"device must be a str or torch.device, got {type(self.device).__name__}"
             )

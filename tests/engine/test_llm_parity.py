@@ -37,7 +37,9 @@ def test_defaults(llm, smollm_prompts16, hf_greedy_cache):
 
 @pytest.mark.parametrize("regime", [r for r in REGIMES if r != "defaults"])
 def test_regime(regime, smollm_prompts16, hf_greedy_cache):
-    with LLM(device="cpu", **REGIMES[regime]) as engine:
+    # The core in this process: these check scheduling regimes, not the transport (the
+    # shared `llm` fixture covers the default, separate process).
+    with LLM(device="cpu", multiprocess=False, **REGIMES[regime]) as engine:
         outs = engine.generate(
             [{"prompt_token_ids": p} for p in smollm_prompts16], GREEDY, use_tqdm=False
         )

@@ -77,7 +77,7 @@ def test_eos_stops_unless_ignored_and_min_tokens_holds_it_back(llm):
 
 
 def test_max_tokens_and_max_model_len_end_with_length():
-    with LLM(device="cpu", max_model_len=64) as engine:
+    with LLM(device="cpu", max_model_len=64, multiprocess=False) as engine:
         prompt = {"prompt_token_ids": list(range(100, 160))}
         out = engine.generate(
             prompt,

@@ -4,6 +4,8 @@ processors), kept out of the leaf `config` module."""
 
 from __future__ import annotations
 
+import torch
+
 from asyncllm.config import (
     CacheConfig,
     EngineArgs,
@@ -12,11 +14,50 @@ from asyncllm.config import (
     ParallelConfig,
     SchedulerConfig,
     SchedulingPolicy,
-    resolve_device,
-    resolve_dtype,
 )
 from asyncllm.model.source import resolve_model_path
 from asyncllm.sample.logits_processor import load_logits_processor_class
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, torch.device):
+        device = str(device)
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r} is not a valid torch device") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but CUDA is not available")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", 0)  # the first visible GPU (CUDA_VISIBLE_DEVICES picks it)
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' is bfloat16 on a GPU and float32 on the CPU."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported (float32, float16, bfloat16)")
+        return dtype
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a str or torch.dtype, got {type(dtype).__name__}")
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of 'auto', {', '.join(map(repr, _DTYPES))}")
+    return _DTYPES[dtype]
 
 
 def create_model_config(args: EngineArgs) -> ModelConfig:
