@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import pytest_asyncio
 
 from asyncllm import AsyncLLM, EngineOverloadedError, SamplingParams
 from asyncllm.frontend.frontend import request_exception
@@ -23,6 +24,14 @@ def _llm(**kw):
     from asyncllm import LLM
 
     return LLM(multiprocess=False, **{**INSTANT, **kw})
+
+
+@pytest.fixture(scope="module")
+def instant():
+    """One model-free engine (core in this process) for the tests that need no settings
+    of their own."""
+    with _llm() as llm:
+        yield llm
 
 
 def test_llm_refuses_overload_with_engine_overloaded_error():
@@ -67,15 +76,15 @@ async def test_async_llm_chat_needs_the_tokenizer():
 
 
 @pytest.mark.parametrize("messages", [[], "hi", [{"role": "user"}, "x"], None])
-def test_bad_conversations_are_type_errors(messages):
-    with _llm() as llm:
-        with pytest.raises(TypeError, match="messages"):
-            llm.chat(messages)
+def test_bad_conversations_are_type_errors(messages, instant):
+    llm = instant
+    with pytest.raises(TypeError, match="messages"):
+        llm.chat(messages)
 
 
 async def test_both_entry_points_report_the_same_stats():
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    with _llm() as llm:
+    with _llm() as llm:  # fresh: the counts below start from zero
         llm.generate(["a", "b"], params, use_tqdm=False)
         sync_stats = llm.get_stats()
     async with AsyncLLM(**INSTANT) as allm:
@@ -109,3 +118,144 @@ def test_a_prefill_threshold_without_chunked_prefill_never_stalls_a_long_prompt(
     with _llm(enable_chunked_prefill=False, long_prefill_token_threshold=4) as llm:
         out = llm.generate([list(range(1, 40))], SamplingParams(max_tokens=3), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize(
+    "messages,error,match",
+    [
+        ([{"role": "user"}], ValueError, r"messages\[0\] has no 'content'"),
+        ([{"role": "wizard", "content": "hi"}], ValueError, r"messages\[0\]\['role'\]"),
+        ([{"content": "hi"}], ValueError, "role"),
+        ([{"role": "user", "content": 5}], TypeError, "content"),
+    ],
+)
+def test_chat_messages_are_checked_before_the_template(messages, error, match, instant):
+    llm = instant
+    with pytest.raises(error, match=match):
+        llm.chat(messages)
+    # an assistant turn with tool calls may have no content
+    ok = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+    ]
+    from asyncllm.frontend.chat import check_conversation
+
+    check_conversation(ok)
+
+
+def test_n2_registration_is_all_or_nothing(instant):
+    llm = instant
+    engine = llm.engine
+    engine.add_request("1_x", [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x", [5, 6, 7], SamplingParams(n=2, max_tokens=4))
+    while engine.has_unfinished_requests():  # "1_x" runs to its end
+        engine.step()
+    # nothing of the refused request stayed registered: "x" is free
+    engine.add_request("x", [5, 6, 7], SamplingParams(n=2, max_tokens=4, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert [len(c.token_ids) for c in done["x"].outputs] == [4, 4]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def instant_async():
+    async with AsyncLLM(**INSTANT) as llm:
+        yield llm
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_aborting_a_child_ends_it_and_the_parent_finishes(instant_async):
+    llm = instant_async
+    params = SamplingParams(n=2, max_tokens=300, ignore_eos=True)
+    got = []
+
+    async def run():
+        async for out in llm.generate("y", params, request_id="y"):
+            got.append(out)
+
+    task = asyncio.create_task(run())
+    while not got:
+        await asyncio.sleep(0.01)
+    await llm.abort("0_y")
+    await task  # ends: child 1 runs to its end, child 0 says "abort"
+    final = got[-1]
+    assert final.finished
+    reasons = {c.index: c.finish_reason for c in final.outputs}
+    assert reasons == {0: "abort", 1: "length"}
+    stats = await llm.get_stats()
+    assert stats["num_frontend_requests"] == 0
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_abort_ends_the_stream_with_an_abort_output_not_a_cancellation(instant_async):
+    llm = instant_async
+    params = SamplingParams(max_tokens=1000, ignore_eos=True)
+    outs = []
+
+    async def run():
+        async for out in llm.generate("z", params, request_id="z"):
+            outs.append(out)
+            if len(outs) == 1:
+                await llm.abort("z")
+
+    await run()  # returns normally; no CancelledError reaches the consumer
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    await llm.abort("z")  # already over: ignored
+
+
+def test_delta_outputs_carry_each_prompt_logprob_once(llm):
+    from asyncllm import RequestOutputKind
+
+    engine = llm.engine  # the real model: prompt logprobs need logits
+    params = SamplingParams(
+        max_tokens=3, prompt_logprobs=1, output_kind=RequestOutputKind.DELTA, ignore_eos=True
+    )
+    engine.add_request("plp", list(range(100, 120)), params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    assert len(outs) == 3
+    sent = [p for o in outs for p in (o.prompt_logprobs or [])]
+    assert len(sent) == 20 and sent[0] is None and all(p is not None for p in sent[1:])
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(include, instant):
+    llm = instant
+    tok = llm.get_tokenizer()
+    # The model-free executor answers 1000 + position: 1003, then 1004 for this prompt.
+    params = SamplingParams(
+        max_tokens=10, stop_token_ids=[1004], include_stop_str_in_output=include
+    )
+    out = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [1003, 1004]
+    assert out.finish_reason == "stop" and out.stop_reason == 1004
+    assert out.text == tok.decode([1003, 1004] if include else [1003])
+
+
+def test_tpot_counts_every_token_of_a_delta_stream(instant):
+    from asyncllm import RequestOutputKind
+
+    llm = instant
+    engine = llm.engine
+    params = SamplingParams(max_tokens=6, output_kind=RequestOutputKind.DELTA, ignore_eos=True)
+    before = engine.get_stats()["tpot_s"]["count"]
+    engine.add_request("d", [1, 2, 3], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_stats()["tpot_s"]["count"] == before + 1
+
+
+async def test_a_failed_start_raises_startup_error_and_can_be_retried(tmp_path):
+    from asyncllm import EngineStartupError
+
+    llm = AsyncLLM(model=str(tmp_path / "missing"), device="cpu")
+    for _ in range(2):  # the second attempt is a real retry, not "already started"
+        with pytest.raises(EngineStartupError, match="does not exist") as info:
+            await llm.start()
+        assert isinstance(info.value.__cause__, FileNotFoundError)
+        assert not llm.is_running
+    await llm.shutdown()

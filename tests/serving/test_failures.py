@@ -129,17 +129,16 @@ async def test_a_script_without_a_main_guard_runs(tmp_path):
 
 
 async def test_a_bad_model_path_fails_fast_with_its_name():
-    t0 = time.monotonic()
-    with pytest.raises(FileNotFoundError, match="no/such/model"):
-        await AsyncLLM(model="/no/such/model", device="cpu").start()
-    assert time.monotonic() - t0 < 30
+    llm = AsyncLLM(model="/no/such/model", device="cpu")
+    with pytest.raises(EngineStartupError, match="no/such/model") as info:
+        await llm.start()
+    assert isinstance(info.value.__cause__, FileNotFoundError)
+    assert llm.client is None  # found on the host side: no core process was started
 
 
 async def test_a_core_that_cannot_start_reports_why():
-    t0 = time.monotonic()
     with pytest.raises(EngineStartupError, match="max_model_len"):
         await AsyncLLM(device="cpu", max_model_len=1024, num_gpu_blocks_override=4).start()
-    assert time.monotonic() - t0 < 60
 
 
 async def test_overload_refuses_the_fifth_waiting_request_and_the_others_finish():
@@ -147,25 +146,26 @@ async def test_overload_refuses_the_fifth_waiting_request_and_the_others_finish(
         llm = AsyncLLM(**{**SERVING_ARGS, "max_num_seqs": 1, "max_waiting_requests": 4})
         await llm.start()  # the ticker keeps running while the model loads
         try:
-            params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
+            params = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.0)
 
             async def run(i, p=params):
-                outs = [o async for o in llm.generate(f"Request {i}", p)]
+                outs = [o async for o in llm.generate(f"Request {i}", p, request_id=f"r{i}")]
                 return outs[-1].outputs[0].token_ids
 
             async def until(field, value):
                 while (await llm.get_stats())[field] != value:
                     await asyncio.sleep(0.01)
 
-            # Request 0 is long enough that the four below are queued while it runs.
-            first = asyncio.create_task(run(0, params.clone(max_tokens=100)))
-            await until("num_running", 1)  # request 0 runs; the next four wait
+            # Request 0 runs until it is aborted below, so the next four wait behind it.
+            first = asyncio.create_task(run(0, params.clone(max_tokens=900)))
+            await until("num_running", 1)
             waiting = [asyncio.create_task(run(i)) for i in range(1, 5)]
             await until("num_waiting", 4)
             with pytest.raises(EngineOverloadedError, match="max_waiting_requests"):
                 await run(5)
+            await llm.abort("r0")  # the four waiting ones then run
             results = await asyncio.gather(first, *waiting)
-            assert [len(r) for r in results] == [100, 30, 30, 30, 30]
+            assert len(results[0]) < 900 and [len(r) for r in results[1:]] == [5, 5, 5, 5]
         finally:
             await llm.shutdown()
     assert ticker.worst_gap < 1.0, (

@@ -22,7 +22,7 @@ import msgspec
 from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.arg_utils import create_engine_config
 from asyncllm.engine.core_client import AsyncMPClient
-from asyncllm.errors import EngineDeadError
+from asyncllm.errors import EngineDeadError, EngineStartupError
 from asyncllm.frontend.chat import Messages
 from asyncllm.frontend.collector import RequestOutputCollector
 from asyncllm.frontend.frontend import Frontend
@@ -57,18 +57,28 @@ class AsyncLLM:
     # -- life cycle ------------------------------------------------------------------
 
     async def start(self) -> AsyncLLM:
+        """Resolves the model, loads the tokenizer and starts the engine core, all off
+        the event loop. Any failure raises EngineStartupError (the cause chained) and
+        leaves the instance as it was, so `start()` may be called again."""
         if self._loop is not None:
             raise RuntimeError("this AsyncLLM was already started")
         self._loop = asyncio.get_running_loop()
-        self.config = await asyncio.to_thread(create_engine_config, self.args)
-        self.frontend = await asyncio.to_thread(Frontend.create, self.config)
-        client = self.client = AsyncMPClient(self.args)
+        client: AsyncMPClient | None = None
         try:
+            try:
+                self.config = await asyncio.to_thread(create_engine_config, self.args)
+                self.frontend = await asyncio.to_thread(Frontend.create, self.config)
+            except Exception as e:
+                raise EngineStartupError(f"{type(e).__name__}: {e}") from e
+            client = AsyncMPClient(self.args)
             await client.start()
         except BaseException:
-            await client.shutdown()
-            self._closed = True
+            if client is not None:
+                await client.shutdown()
+            self.config = self.frontend = None
+            self._loop = None
             raise
+        self.client = client
         client.run_output_handler(self._on_outputs, self._on_dead)
         return self
 
@@ -210,12 +220,22 @@ class AsyncLLM:
                 pass
 
     async def abort(self, request_id: str | list[str]) -> None:
+        """Ends requests (by id, or a child id `"{i}_{id}"` of an n > 1 request): each
+        stream yields a last output with finish_reason 'abort' and ends, as in vLLM.
+        Unknown or finished ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for rid in ids:
-            self._abort_now(rid)
-            collector = self._collectors.get(rid)
+        if self.frontend is None or self.client is None:
+            return
+        core_ids, outputs = self.frontend.finish_aborted(ids)
+        for out in outputs:
+            collector = self._collectors.get(out.request_id)
             if collector is not None:
-                collector.fail(asyncio.CancelledError(f"request {rid!r} was aborted"))
+                collector.put(out)
+        if core_ids and self._dead is None and not self._closed:
+            try:
+                self.client.abort_requests(core_ids)
+            except EngineDeadError:
+                pass
 
     async def check_health(self, timeout: float = 10.0) -> None:
         """Raises EngineDeadError unless the core answers within `timeout` seconds."""

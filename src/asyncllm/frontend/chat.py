@@ -24,9 +24,29 @@ def as_conversations(messages: Messages | Sequence[Messages]) -> list[Messages]:
     return [list(c) for c in conversations]
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def check_conversation(conv: Any) -> None:
+    """A list of {'role': one of ROLES, 'content': str or a list of parts} dicts (an
+    assistant turn may have content None when it carries tool_calls); a message that
+    does not fit raises before any template sees it."""
     if not isinstance(conv, list | tuple) or not conv or not all(isinstance(m, dict) for m in conv):
         raise TypeError(_SHAPE)
+    for i, m in enumerate(conv):
+        role = m.get("role")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}]['role'] must be one of {ROLES}, got {role!r}")
+        if "content" not in m:
+            raise ValueError(f"messages[{i}] has no 'content'")
+        content = m["content"]
+        if content is None and role == "assistant" and m.get("tool_calls"):
+            continue
+        if not isinstance(content, str | list):
+            raise TypeError(
+                f"messages[{i}]['content'] must be a str or a list of parts, "
+                f"got {type(content).__name__}"
+            )
 
 
 def render_chat(

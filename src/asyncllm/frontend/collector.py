@@ -23,6 +23,8 @@ def merge_delta(pending: RequestOutput, new: RequestOutput) -> RequestOutput:
             old.logprobs = (old.logprobs or []) + c.logprobs
         old.cumulative_logprob = c.cumulative_logprob
         old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
+    if new.prompt_logprobs is not None:  # DELTA: each position is sent once
+        pending.prompt_logprobs = (pending.prompt_logprobs or []) + new.prompt_logprobs
     pending.finished = new.finished
     pending.num_cached_tokens = new.num_cached_tokens
     pending.metrics = new.metrics

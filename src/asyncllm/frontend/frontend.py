@@ -120,6 +120,13 @@ class Frontend:
             req = ip.process(request_id, prompt, params, priority, prompt_ids)
             op.add_request(request_id, prompt_text, prompt_ids, params)
             return [req]
+        child_ids = [child_request_id(request_id, i) for i in range(params.n)]
+        taken = [cid for cid in child_ids if self.has_request(cid)]
+        if taken:  # checked before anything is registered: all or nothing
+            raise ValueError(
+                f"request id {request_id!r} needs child ids {child_ids}, and {taken[0]!r} "
+                "is already in use"
+            )
         parent = ParentRequest(request_id, params.n, params.output_kind)
         reqs = []
         for i in range(params.n):
@@ -132,8 +139,14 @@ class Frontend:
         return reqs
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Forgets requests (by user-facing id); returns the core ids to abort."""
+        """Forgets requests whose consumer is gone (by user-facing id); returns the core
+        ids to abort."""
         return self.output_processor.abort_requests(request_ids)
+
+    def finish_aborted(self, request_ids: list[str]) -> tuple[list[str], list[RequestOutput]]:
+        """A user abort (by user-facing or child id): the requests end with finish_reason
+        'abort' and a last output each. Returns (the core ids to abort, the outputs)."""
+        return self.output_processor.finish_aborted(request_ids)
 
     # -- outputs out ---------------------------------------------------------------------
 

@@ -74,6 +74,7 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
+        self.sent_prompt_logprobs = 0  # DELTA outputs carry each position's once
         self.sent_text = 0  # characters already handed out
         self.sent_tokens = 0
         self.sent_logprobs = 0
@@ -124,8 +125,17 @@ class RequestState:
                 lp[0] for lp in out.new_logprobs.logprobs
             )
         stopped = False
-        if self.detok is not None and out.new_token_ids:
-            stop = self.detok.update(out.new_token_ids)
+        text_ids = out.new_token_ids
+        if (
+            out.finish_reason == "stop"
+            and not isinstance(out.stop_reason, str)
+            and not self.params.include_stop_str_in_output
+        ):
+            # A stop token (EOS or one of stop_token_ids) stays in token_ids, but its
+            # text is left out, as vLLM does, unless include_stop_str_in_output.
+            text_ids = text_ids[:-1]
+        if self.detok is not None and text_ids:
+            stop = self.detok.update(text_ids)
             if stop is not None:
                 self.finish_reason, self.stop_reason = "stop", stop
                 stopped = out.finish_reason is None  # the core still runs it: abort there
@@ -133,7 +143,32 @@ class RequestState:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         if self.finish_reason is not None:
             self.metrics["finished_time"] = now
+            self.metrics["num_generation_tokens"] = len(self.token_ids)
         return stopped
+
+    def abort(self) -> None:
+        """Ends the request here (a user abort): finish_reason 'abort'."""
+        if self.finish_reason is None:
+            self.finish_reason, self.stop_reason = "abort", None
+            self.metrics["finished_time"] = time.monotonic()
+            self.metrics["num_generation_tokens"] = len(self.token_ids)
+
+    def has_new_prompt_logprobs(self, kind: RequestOutputKind) -> bool:
+        if self.prompt_logprobs is None:
+            return False
+        if kind is RequestOutputKind.DELTA:
+            return len(self.prompt_logprobs) > self.sent_prompt_logprobs
+        return True
+
+    def take_prompt_logprobs(self, kind: RequestOutputKind) -> list[PositionLogprobs | None] | None:
+        """All prompt logprobs so far; for DELTA, only those not sent before (None when
+        there are none new), so each position goes out once."""
+        lps = self.prompt_logprobs
+        if lps is None or kind is not RequestOutputKind.DELTA:
+            return lps
+        new = lps[self.sent_prompt_logprobs :]
+        self.sent_prompt_logprobs = len(lps)
+        return new or None
 
     def completion(self, kind: RequestOutputKind) -> CompletionOutput:
         text = self.visible_text()
@@ -215,6 +250,30 @@ class OutputProcessor:
                 core_ids.append(rid)
         return core_ids
 
+    def finish_aborted(self, request_ids: list[str]) -> tuple[list[str], list[RequestOutput]]:
+        """A user abort, by user-facing or child id: every unfinished request it names
+        ends with finish_reason 'abort' and a last RequestOutput (under the parent's id
+        for a child, final once every child has ended). Returns (the core ids to abort,
+        those outputs)."""
+        core_ids: list[str] = []
+        outputs: list[RequestOutput] = []
+        for rid in request_ids:
+            parent = self.parents.get(rid)
+            if parent is not None:
+                states = [c for c in parent.children.values() if c.request_id in self.states]
+            elif rid in self.states:
+                states = [self.states[rid]]
+            else:
+                continue  # finished already, or never known
+            for state in states:
+                state.abort()
+                del self.states[state.request_id]
+                core_ids.append(state.request_id)
+            ro = self._make_output(states[-1]) if states else None
+            if ro is not None:
+                outputs.append(ro)
+        return core_ids, outputs
+
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         result = ProcessedOutputs([], [])
         for out in outputs:
@@ -246,7 +305,9 @@ class OutputProcessor:
             if (
                 kind is not RequestOutputKind.FINAL_ONLY
                 and not finished
-                and not (completion.delta or completion.token_ids or state.prompt_logprobs)
+                and not (
+                    completion.delta or completion.token_ids or state.has_new_prompt_logprobs(kind)
+                )
             ):
                 return None
             return self._request_output(state.request_id, state, [completion], finished)
@@ -265,7 +326,7 @@ class OutputProcessor:
 
     @staticmethod
     def _request_output(
-        rid: str, state: RequestState, completions, finished: bool
+        rid: str, state: RequestState, completions: list[CompletionOutput], finished: bool
     ) -> RequestOutput:
         return RequestOutput(
             request_id=rid,
@@ -273,7 +334,7 @@ class OutputProcessor:
             prompt_token_ids=state.prompt_token_ids,
             outputs=completions,
             finished=finished,
-            prompt_logprobs=state.prompt_logprobs,
+            prompt_logprobs=state.take_prompt_logprobs(state.params.output_kind),
             num_cached_tokens=state.num_cached_tokens,
             metrics=dict(state.metrics),
         )

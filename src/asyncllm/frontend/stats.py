@@ -46,7 +46,8 @@ class LatencyStats:
         m = out.metrics
         if "first_token_time" in m:
             self.ttft.observe(m["first_token_time"] - m["arrival_time"])
-            n = max(len(c.token_ids) for c in out.outputs)
+            # the request's whole output (a DELTA output holds only its last tokens)
+            n = int(m.get("num_generation_tokens", max(len(c.token_ids) for c in out.outputs)))
             if "finished_time" in m and n > 1:
                 self.tpot.observe((m["finished_time"] - m["first_token_time"]) / (n - 1))
         if "finished_time" in m:
