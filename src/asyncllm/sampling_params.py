@@ -1,7 +1,11 @@
 """SamplingParams: how to pick tokens and when to stop, with vLLM's field names.
 
-Every field is checked on creation; a bad value raises ValueError or TypeError naming
-the field, so a bad request is rejected before it reaches the engine.
+Every field is checked on creation (and again by `verify()`, which the frontend and the
+engine core call, so an object changed after creation is caught too); a bad value raises
+ValueError or TypeError naming the field, so a bad request is rejected before it reaches
+the engine. Every number is bounded: integers fit the engine's int64 (token ids and
+top-k counts int32) and floats are finite and fit float32, so nothing overflows where
+the model runner turns them into tensors or the wire encodes them.
 """
 
 from __future__ import annotations
@@ -20,12 +24,21 @@ _FLOAT_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
 )
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+UINT64_MAX = 2**64 - 1
+MAX_TOKEN_ID = 2**31 - 1  # token ids, top_k and logprob counts: far above any vocabulary
+MAX_N = 2**16  # completions per request
+FLOAT32_MAX = 3.4028234663852886e38
+_MAX_EXTRA_ARGS_DEPTH = 32
 
 
 class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # every output carries the whole text so far
     DELTA = 1  # every output carries only what is new
     FINAL_ONLY = 2  # one output, when the request ends
+
+
+_OUTPUT_KINDS = frozenset(k.value for k in RequestOutputKind)
 
 
 def _is_int(x: Any) -> bool:
@@ -36,33 +49,110 @@ def _is_num(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
+def _show(v: Any) -> str:
+    """`v` for an error message; a huge int is abbreviated (str() of one past 4300
+    digits would itself raise)."""
+    if _is_int(v) and abs(v).bit_length() > 100:
+        return f"an int of {abs(v).bit_length()} bits"
+    return repr(v)
+
+
+def _as_float(name: str, x: int | float) -> float:
+    """`x` as a float that fits float32 (the dtype the sampler uses); ValueError naming
+    `name` if it is not finite or too large."""
+    try:
+        f = float(x)
+    except OverflowError:
+        raise ValueError(f"{name} is out of range, got {_show(x)}") from None
+    if not math.isfinite(f):
+        raise ValueError(f"{name} must be finite, got {_show(x)}")
+    if abs(f) > FLOAT32_MAX:
+        raise ValueError(f"{name} must be at most {FLOAT32_MAX:g} in magnitude, got {_show(x)}")
+    return f
+
+
+def _check_range(name: str, v: int, lo: int, hi: int) -> None:
+    if not lo <= v <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {_show(v)}")
+
+
+def _check_plain(value: Any, path: str, depth: int = 0) -> None:
+    """`value` is plain data msgpack carries unchanged: str, int (64-bit), float, bool,
+    None, and lists or str-keyed dicts of those."""
+    if depth > _MAX_EXTRA_ARGS_DEPTH:
+        raise ValueError(f"{path} nests deeper than {_MAX_EXTRA_ARGS_DEPTH} levels")
+    if value is None or isinstance(value, str | bool | float):
+        return
+    if isinstance(value, int):
+        if not INT64_MIN <= value <= UINT64_MAX:
+            raise ValueError(f"{path} is an int outside 64 bits: {_show(value)}")
+        return
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{path}[{i}]", depth + 1)
+        return
+    if isinstance(value, dict):
+        for k, item in value.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{path} has a key that is not a str: {k!r}")
+            _check_plain(item, f"{path}[{k!r}]", depth + 1)
+        return
+    raise TypeError(
+        f"{path} must hold only str, int, float, bool, None, lists and dicts, "
+        f"found {type(value).__name__}"
+    )
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
+    """Completions per prompt, in [1, 65536]."""
     temperature: float = 1.0
+    """0 (or below 1e-5): greedy. Finite, non-negative."""
     top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: no limit
+    """In (0, 1]."""
+    top_k: int = 0
+    """0 or -1: no limit; otherwise in [1, 2**31 - 1] (values past the vocabulary keep it
+    all)."""
     min_p: float = 0.0
+    """In [0, 1]."""
     seed: int | None = None
+    """Seeds this request's draws: the same seed, prompt and params give the same
+    tokens, whatever else is in the batch. None or -1 (as in vLLM, -1 means unseeded and
+    becomes None): drawn from the engine's generator, so requests differ. Otherwise in
+    [-2**63, 2**64 - 1] (what torch.Generator.manual_seed accepts). With n > 1, child i
+    gets seed + i."""
     max_tokens: int | None = 16
+    """In [1, 2**63 - 1]; None: up to max_model_len. Capped by the room the prompt leaves."""
     min_tokens: int = 0
+    """In [0, max_tokens]: eos and stop tokens cannot end the request before these."""
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    """Token ids in [0, 2**31 - 1] (the frontend checks them against the vocabulary)."""
     ignore_eos: bool = False
     presence_penalty: float = 0.0
+    """In [-2, 2]."""
     frequency_penalty: float = 0.0
+    """In [-2, 2]."""
     repetition_penalty: float = 1.0
+    """Positive, finite."""
     logit_bias: dict[int, float] | None = None
+    """Token id in [0, 2**31 - 1] -> a finite bias (or -inf: never that token)."""
     logprobs: int | None = None
+    """Top logprobs per sampled token, in [0, 2**31 - 1] (and at most max_logprobs)."""
     prompt_logprobs: int | None = None
+    """Top logprobs per prompt token, in [0, 2**31 - 1] (and at most max_logprobs)."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     extra_args: dict[str, Any] | None = None
+    """For logits processors: str keys, plain data values (str, int, float, bool, None,
+    lists and str-keyed dicts of those), since it crosses the wire as msgpack."""
 
     def __post_init__(self) -> None:
-        self._check_types()
-        self._check_values()
+        if self.seed == -1 and _is_int(self.seed):
+            self.seed = None  # vLLM's convention: -1 means unseeded
+        self.verify()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -72,6 +162,13 @@ class SamplingParams:
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self.output_kind = RequestOutputKind(self.output_kind)
+
+    def verify(self) -> None:
+        """Checks every field (types, then values); ValueError or TypeError naming the
+        field. Run on creation; run it again on an object that may have been changed
+        since."""
+        self._check_types()
+        self._check_values()
 
     def _check_types(self) -> None:
         ints = ("n", "top_k", "min_tokens")
@@ -105,31 +202,33 @@ class SamplingParams:
                 _is_int(k) and _is_num(v) for k, v in self.logit_bias.items()
             ):
                 raise TypeError("logit_bias must be a dict of int token id to float")
-        if self.extra_args is not None and not isinstance(self.extra_args, dict):
-            raise TypeError("extra_args must be a dict")
-        if not isinstance(self.output_kind, RequestOutputKind | int) or isinstance(
-            self.output_kind, bool
-        ):
-            raise TypeError("output_kind must be a RequestOutputKind")
+        if self.extra_args is not None:
+            if not isinstance(self.extra_args, dict):
+                raise TypeError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
+            _check_plain(self.extra_args, "extra_args")
+        if not isinstance(self.output_kind, int) or isinstance(self.output_kind, bool):
+            raise TypeError(
+                f"output_kind must be a RequestOutputKind, got {type(self.output_kind).__name__}"
+            )
 
     def _check_values(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
+        _check_range("n", self.n, 1, MAX_N)
         for name in _FLOAT_FIELDS:
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+            _as_float(name, getattr(self, name))
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (no limit) or positive, got {self.top_k}")
+        if not (self.top_k in (-1, 0) or 1 <= self.top_k <= MAX_TOKEN_ID):
+            raise ValueError(
+                f"top_k must be -1 or 0 (no limit) or in [1, {MAX_TOKEN_ID}], "
+                f"got {_show(self.top_k)}"
+            )
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None:
+            _check_range("max_tokens", self.max_tokens, 1, INT64_MAX)
+        _check_range("min_tokens", self.min_tokens, 0, INT64_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
@@ -142,19 +241,30 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and v < 0:
-                raise ValueError(f"{name} must be non-negative, got {v}")
+            if v is not None:
+                _check_range(name, v, 0, MAX_TOKEN_ID)
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(s == "" for s in stops):
             raise ValueError("stop must not contain an empty string")
-        if any(t < 0 for t in self.stop_token_ids or []):
-            raise ValueError("stop_token_ids must be non-negative")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise ValueError("seed must fit in 64 bits")
-        if self.logit_bias and any(
-            not math.isfinite(v) and v != float("-inf") for v in self.logit_bias.values()
-        ):
-            raise ValueError("logit_bias values must be finite or -inf")
+        for t in self.stop_token_ids or []:
+            if not 0 <= t <= MAX_TOKEN_ID:
+                raise ValueError(f"stop_token_ids must be in [0, {MAX_TOKEN_ID}], got {_show(t)}")
+        if self.seed is not None and not INT64_MIN <= self.seed <= UINT64_MAX:
+            raise ValueError(
+                f"seed must fit in 64 bits ([-2**63, 2**64 - 1]) or be None, got {_show(self.seed)}"
+            )
+        for tok, bias in (self.logit_bias or {}).items():
+            if not 0 <= tok <= MAX_TOKEN_ID:
+                raise ValueError(
+                    f"logit_bias token ids must be in [0, {MAX_TOKEN_ID}], got {_show(tok)}"
+                )
+            if bias != float("-inf"):
+                _as_float(f"logit_bias[{tok}]", bias)
+        if self.output_kind not in _OUTPUT_KINDS:
+            raise ValueError(
+                f"output_kind must be one of {[k.name for k in RequestOutputKind]}, "
+                f"got {_show(self.output_kind)}"
+            )
 
     @property
     def is_greedy(self) -> bool:

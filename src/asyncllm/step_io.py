@@ -64,3 +64,7 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> why: requests the runner could not take (a bad value in their inputs
+    # or sampling parameters). It has dropped them; the scheduler ends them with an error,
+    # and the rest of the batch is unaffected.
+    failed: dict[str, str] = field(default_factory=dict)

@@ -19,15 +19,17 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # the core could not serve it (its output carries a RequestError)
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
-        """True for the three FINISHED_* statuses (a preempted request is not finished)."""
+        """True for the FINISHED_* statuses (a preempted request is not finished)."""
         return status > RequestStatus.PREEMPTED
 
     @staticmethod
     def finish_reason(status: RequestStatus) -> str | None:
-        """The OpenAI-style reason ("stop", "length", "abort"); None while unfinished."""
+        """The OpenAI-style reason ("stop", "length", "abort"; an error ends with "abort",
+        as an abort does); None while unfinished."""
         return _FINISH_REASONS.get(status)
 
 
@@ -35,6 +37,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "abort",
 }
 
 
@@ -86,7 +89,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        """Stopped, length-capped or aborted."""
+        """Stopped, length-capped, aborted or failed."""
         return RequestStatus.is_finished(self.status)
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:

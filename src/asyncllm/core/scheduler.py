@@ -11,6 +11,12 @@ cache); a step that had to preempt admits no waiting request.
 then `_build_output`, which also advances each request's computed tokens and the
 statistics. `update_from_output()` appends the sampled tokens, applies the stop rules
 and frees the requests that finished.
+
+A request is never left to block the others: one that can never get a token scheduled
+(an empty prompt, a prompt of max_model_len tokens or more, more KV blocks than the
+whole pool, a prompt that cannot fit one step without chunked prefill) is ended with an
+error output (`take_error_outputs`) when the scheduler meets it, and one the model
+runner could not take (`ModelRunnerOutput.failed`) is ended in `update_from_output`.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from asyncllm.core.block_pool import KVCacheBlock
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.request_queue import create_request_queue
-from asyncllm.messages import EngineCoreOutput, SchedulerStats
+from asyncllm.messages import EngineCoreOutput, ErrorKind, RequestError, SchedulerStats
 from asyncllm.step_io import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -79,6 +85,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # for the runner to forget, next step
         self.stats = SchedulerStats(num_blocks=kv_cache_manager.num_blocks)
+        self._error_outputs: list[EngineCoreOutput] = []  # requests ended by `schedule()`
 
     # -- requests in and out -------------------------------------------------------
 
@@ -110,6 +117,52 @@ class Scheduler:
             req.status = status
             self._free(req)
         return ended
+
+    def _fail(self, req: Request, kind: ErrorKind, reason: str) -> EngineCoreOutput:
+        """Ends an unfinished request the core cannot serve (frees its blocks, tells the
+        runner next step); its final output, with finish_reason 'abort' and the error."""
+        self.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
+        return EngineCoreOutput(
+            request_id=req.request_id,
+            new_token_ids=[],
+            finish_reason="abort",
+            error=RequestError(kind, reason),
+        )
+
+    def take_error_outputs(self) -> list[EngineCoreOutput]:
+        """The outputs of requests `schedule()` ended because they could never be
+        scheduled, since the last call."""
+        out, self._error_outputs = self._error_outputs, []
+        return out
+
+    def fail_stalled(self) -> list[EngineCoreOutput]:
+        """A last resort, for a step that scheduled nothing, ended nothing and reported
+        nothing although requests are unfinished: nothing would change by itself, so
+        rather than spin, the request at the head (the first running one, else the
+        first waiting one) is ended with an error. Returns its output."""
+        head = self.running[0] if self.running else self.waiting.peek() if self.waiting else None
+        if head is None:
+            return []
+        return [self._fail(head, ErrorKind.FAILED, "the scheduler could not schedule it")]
+
+    def _unschedulable(self, req: Request, num_computed: int) -> EngineCoreOutput:
+        """Ends a request of which no token can ever be computed."""
+        max_len = self.config.max_model_len
+        if req.num_tokens == 0:
+            return self._fail(req, ErrorKind.INVALID, "the prompt is empty")
+        if len(req.prompt_token_ids) >= max_len or num_computed >= max_len:
+            return self._fail(
+                req,
+                ErrorKind.INVALID,
+                f"the prompt has {len(req.prompt_token_ids)} tokens; max_model_len is "
+                f"{max_len}, which leaves no room for output",
+            )
+        return self._fail(
+            req,
+            ErrorKind.FAILED,
+            f"none of its tokens can be scheduled ({req.num_tokens} tokens, "
+            f"{num_computed} computed, max_model_len {max_len})",
+        )
 
     def _free(self, req: Request) -> None:
         self.kv.free(req)
@@ -144,15 +197,21 @@ class Scheduler:
         """Gives each running request, in order, its next tokens (one decode token or the
         next prefill chunk), preempting others when its new tokens do not fit in the
         blocks. Stops when the budget is spent, or when the request being served was
-        itself the victim (every other request outranks it, and nothing is free)."""
+        itself the victim (every other request outranks it, and nothing is free). A
+        request that can never get a token (nothing left to compute, or more blocks
+        than the whole pool while it runs alone) is ended with an error instead."""
         i = 0
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
             n = self._num_new_tokens(req, req.num_computed_tokens, step.budget)
-            if n <= 0:
-                i += 1
-                continue
+            if n <= 0:  # with budget left: it never will get a token
+                self._error_outputs.append(self._unschedulable(req, req.num_computed_tokens))
+                continue  # it left self.running: i is already the next one
             blocks = self.kv.allocate_slots(req, n)
+            if blocks is None and len(self.running) == 1:
+                # Alone, every other block is free: it needs more than the whole pool.
+                self._error_outputs.append(self._too_big_for_the_pool(req))
+                continue
             if blocks is None:
                 blocks = self._preempt_until_allocated(req, n, step)
                 if blocks is None:
@@ -200,17 +259,38 @@ class Scheduler:
         """Admits waiting requests in queue order, each starting after its prefix-cache
         hit, while the budget, `max_num_seqs` and the free blocks allow. Stops at the
         first that does not fit rather than skip it, so small requests behind a big one
-        cannot starve it."""
+        cannot starve it; but one that can never fit (an empty prompt, one of
+        max_model_len tokens or more, one too big for a step without chunked prefill or
+        for the whole pool) is ended with an error, so it cannot block the queue."""
         cfg = self.config
         while step.budget > 0 and len(self.waiting) > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting.peek()
+            if req.num_tokens == 0 or len(req.prompt_token_ids) >= cfg.max_model_len:
+                self._error_outputs.append(self._unschedulable(req, 0))
+                continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             n = self._num_new_tokens(req, num_hit, step.budget)
-            if n <= 0:
-                break
+            if n <= 0:  # with budget left: it never will get a token
+                self._error_outputs.append(self._unschedulable(req, num_hit))
+                continue
             if not cfg.enable_chunked_prefill and num_hit + n < req.num_tokens:
+                whole = self._num_new_tokens(req, num_hit, cfg.max_num_batched_tokens)
+                if num_hit + whole < req.num_tokens:  # not even a whole step would do
+                    self._error_outputs.append(
+                        self._fail(
+                            req,
+                            ErrorKind.INVALID,
+                            f"its {req.num_tokens - num_hit} tokens to compute do not fit in "
+                            "one step (max_num_batched_tokens, long_prefill_token_threshold) "
+                            "and chunked prefill is off",
+                        )
+                    )
+                    continue
                 break  # the whole prompt must fit in one step
             if self.kv.allocate_slots(req, n, num_hit, hit_blocks) is None:
+                if not self.running:  # every block is free, and still it does not fit
+                    self._error_outputs.append(self._too_big_for_the_pool(req))
+                    continue
                 break
             self.waiting.pop()
             req.status = RequestStatus.RUNNING
@@ -221,6 +301,15 @@ class Scheduler:
             self.running.append(req)
             step.new_reqs.append(req)
             step.add(req, n, num_hit)
+
+    def _too_big_for_the_pool(self, req: Request) -> EngineCoreOutput:
+        bs = self.kv.block_size
+        return self._fail(
+            req,
+            ErrorKind.FAILED,
+            f"it needs more KV cache blocks ({req.num_tokens} tokens in blocks of {bs}) than "
+            f"the {self.kv.num_blocks} there are",
+        )
 
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
         """Tokens `req` may compute this step: the rest of its known tokens, capped by
@@ -299,6 +388,14 @@ class Scheduler:
         took the id in the meantime."""
         outputs = []
         requests, running = self.requests, RequestStatus.RUNNING
+        for rid, reason in runner.failed.items():
+            req = requests.get(rid)
+            if req is None or req.status != running:
+                continue
+            # Its step did not run: the blocks it was to fill hold nothing (and must not
+            # stay findable in the prefix cache).
+            req.num_computed_tokens -= sched.num_scheduled_tokens.get(rid, 0)
+            outputs.append(self._fail(req, ErrorKind.FAILED, reason))
         for rid in sched.num_scheduled_tokens:
             req = requests.get(rid)
             if req is None or req.status != running:

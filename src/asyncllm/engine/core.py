@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 from asyncllm.config import EngineConfig
 from asyncllm.core.kv_cache_manager import KVCacheManager
@@ -19,6 +20,7 @@ from asyncllm.messages import (
     RequestError,
     SchedulerStats,
 )
+from asyncllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +43,66 @@ class EngineCore:
             make_block_hasher(cache.block_size) if cache.enable_prefix_caching else None
         )
         self._pending_outputs: list[EngineCoreOutput] = []
+        vocab_size = getattr(config.model.hf_config, "vocab_size", None)
+        self.vocab_size: int | None = int(vocab_size) if vocab_size is not None else None
+
+    def _check_request(self, req: EngineCoreRequest) -> int:
+        """What the frontend guarantees, checked again: a request may come straight
+        through the socket. ValueError or TypeError naming the problem (the core's
+        process answers it with an INVALID error for that request); returns max_tokens,
+        capped by the room the prompt leaves."""
+        if not isinstance(req.request_id, str) or not req.request_id:
+            raise TypeError("request_id must be a non-empty str")
+        ids = req.prompt_token_ids
+        max_len = self.config.model.max_model_len
+        if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+            raise TypeError("prompt_token_ids must be a list of int")
+        if not ids:
+            raise ValueError("prompt must not be empty (no prompt_token_ids)")
+        if len(ids) >= max_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; max_model_len is {max_len}, "
+                "which leaves no room for output"
+            )
+        vocab = self.vocab_size
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or (vocab is not None and hi >= vocab):
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"prompt_token_ids has token id {bad}, outside [0, {vocab})")
+        params = req.sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
+        params.verify()
+        if vocab is not None:
+            for t in params.stop_token_ids or ():
+                if t >= vocab:
+                    raise ValueError(f"stop_token_ids has token id {t}, outside [0, {vocab})")
+            for t in params.logit_bias or {}:
+                if t >= vocab:
+                    raise ValueError(f"logit_bias has token id {t}, outside [0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and v > self.config.max_logprobs:
+                raise ValueError(
+                    f"{name} is {v}; at most max_logprobs={self.config.max_logprobs} are allowed"
+                )
+        eos = req.eos_token_id
+        if eos is not None and (type(eos) is not int or eos < 0):
+            raise ValueError(f"eos_token_id must be None or a non-negative int, got {eos!r}")
+        if type(req.max_tokens) is not int or req.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {req.max_tokens!r}")
+        if type(req.priority) is not int or not INT64_MIN <= req.priority <= INT64_MAX:
+            raise ValueError(f"priority must be an int64, got {req.priority!r}")
+        if not isinstance(req.arrival_time, int | float) or not math.isfinite(req.arrival_time):
+            raise ValueError(f"arrival_time must be a finite number, got {req.arrival_time!r}")
+        return min(req.max_tokens, max_len - len(ids))
 
     def add_request(self, req: EngineCoreRequest) -> None:
+        """Queues a request. ValueError or TypeError if it is malformed (see
+        `_check_request`) or its id is in use by an unfinished request."""
+        max_tokens = self._check_request(req)
         limit = self.config.scheduler.max_waiting_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:
             self._pending_outputs.append(
@@ -62,7 +122,7 @@ class EngineCore:
             prompt_token_ids=req.prompt_token_ids,
             sampling_params=req.sampling_params,
             eos_token_id=req.eos_token_id,
-            max_tokens=req.max_tokens,
+            max_tokens=max_tokens,
             arrival_time=req.arrival_time,
             priority=req.priority,
             block_hasher=self._block_hasher,
@@ -84,12 +144,21 @@ class EngineCore:
         return bool(self._pending_outputs)
 
     def step(self) -> EngineCoreOutputs:
+        """One step: the outputs waiting since the last one, the requests the scheduler
+        ended (error outputs), and what the model produced. Never a step that changes
+        nothing while requests are unfinished: a core loop that steps while
+        `has_unfinished_requests()` would spin, sending empty outputs."""
         outputs, self._pending_outputs = self._pending_outputs, []
         if self.scheduler.has_unfinished_requests():
             sched = self.scheduler.schedule()
+            outputs.extend(self.scheduler.take_error_outputs())
             if not sched.is_empty or sched.finished_req_ids:
                 runner_out = self.executor.execute_model(sched)
                 outputs.extend(self.scheduler.update_from_output(sched, runner_out))
+            elif not outputs and self.scheduler.has_unfinished_requests():
+                # Nothing scheduled, ended or reported: the next step would be the same.
+                logger.warning("the scheduler made no progress; ending the request at its head")
+                outputs.extend(self.scheduler.fail_stalled())
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats())
 
     def get_stats(self) -> SchedulerStats:

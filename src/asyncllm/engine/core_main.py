@@ -6,16 +6,20 @@ Started as `python -m asyncllm.engine.core_main --input ADDR --output ADDR` by a
 arguments); the process answers EngineReady (or EngineDead with the reason) once the
 model is loaded. `host_launcher` is the other side: it starts this process.
 
-Threads: one decodes input frames into a queue (malformed frames are logged and
-dropped), one encodes and sends outputs, and the main thread steps the core while work
-exists and blocks on the queue when idle. The process exits when its parent dies (its
+Threads: one decodes input frames into a queue (a malformed frame is logged and dropped;
+one for a request or a utility call whose id can still be read ends that request or call
+with an error), one encodes and sends outputs, and the main thread steps the core while
+work exists and blocks on the queue when idle. The process exits when its parent dies (its
 stdin, a pipe from the parent, reaches EOF) and on SIGTERM/SIGINT; an exception in the
-loop is sent to the client as DEAD before the process exits.
+loop or in either I/O thread is sent to the client as DEAD before the process exits, so
+the core never lives on half dead. On the way out the I/O threads are stopped and joined
+before their sockets close, and the private folder holding the sockets is removed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import queue
@@ -30,6 +34,7 @@ from asyncllm import envs
 from asyncllm.config import EngineArgs
 from asyncllm.engine.arg_utils import create_engine_config
 from asyncllm.engine.core import EngineCore
+from asyncllm.engine.host_launcher import remove_private_ipc_dir
 from asyncllm.engine.serial import Decoder, Encoder
 from asyncllm.messages import (
     TO_CORE,
@@ -51,13 +56,15 @@ from asyncllm.messages import (
 logger = logging.getLogger("asyncllm.engine_core")
 
 
-def _watch_parent() -> None:
-    """The parent holds the write end of our stdin; EOF means it is gone."""
+def _watch_parent(proc: EngineCoreProc) -> None:
+    """The parent holds the write end of our stdin; EOF means it is gone. Nobody is left
+    to hear from us: remove the socket folder and exit at once."""
     try:
         while sys.stdin.buffer.read(1 << 16):
             pass
     except Exception:  # noqa: BLE001 (any failure to read means the same)
         pass
+    proc.remove_ipc_dir()
     os._exit(0)
 
 
@@ -69,29 +76,63 @@ class _Reported(Exception):
     """A failure already sent to the client."""
 
 
-def _on_signal(signum, frame) -> None:
-    # Once: a second signal must not interrupt the orderly exit of the first.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise _Stop(signal.Signals(signum).name)
+class _IOThreadFailed(Exception):
+    """An input or output thread died: the core cannot serve and must say so."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Control:
+    """Put on the input queue by a signal or a failed I/O thread, for the main thread."""
+
+    reason: str
+    failed: bool  # an I/O thread died (else: a signal asked us to stop)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Undecodable:
+    """A request or utility call whose message could not be decoded, by its id."""
+
+    ident: str | int
+    reason: str
+
+
+JOIN_S = 3.0  # how long shutdown waits for each I/O thread (the host kills us after 5 s)
+_WAKE_ADDR = "inproc://core-input-wake"
 
 
 class EngineCoreProc:
     def __init__(self, input_addr: str, output_addr: str) -> None:
+        self.input_addr, self.output_addr = input_addr, output_addr
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PULL)
         self.input.connect(input_addr)
         self.output = self.ctx.socket(zmq.PUSH)
         self.output.setsockopt(zmq.LINGER, 2000)
         self.output.connect(output_addr)
+        # The main thread wakes the input thread through this pair to stop it; each end
+        # is used by one thread only.
+        self._wake_rx = self.ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(_WAKE_ADDR)
+        self._wake_tx = self.ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(_WAKE_ADDR)
         self.encoder = Encoder()
-        self.in_q: queue.Queue = queue.Queue()
+        # A SimpleQueue: its put is reentrant, so a signal handler may put on it while
+        # the main thread is inside get.
+        self.in_q: queue.SimpleQueue = queue.SimpleQueue()
         self.out_q: queue.Queue = queue.Queue()
         self.core: EngineCore | None = None
         self._input_thread: threading.Thread | None = None
         self._output_thread: threading.Thread | None = None
+        self._runner: threading.Thread | None = None  # the thread in run()
+        self._serving = False  # the I/O threads run: stop requests go through the queue
+        self._output_failed = False
+        self._closed = False
+
+    # -- life cycle --------------------------------------------------------------------
 
     def send_now(self, msg: Any) -> None:
+        """Sends from the calling thread: only while no output thread uses the socket."""
+        assert self._output_thread is None or not self._output_thread.is_alive()
         self.output.send_multipart(self.encoder.encode(msg), copy=False)
 
     def start(self) -> EngineCore:
@@ -103,12 +144,23 @@ class EngineCoreProc:
             engine_args: dict[str, Any] = dict(startup.engine_args)
             config = create_engine_config(EngineArgs(**engine_args))
             core = self.core = EngineCore(config)
+        except _Stop:
+            raise
         except BaseException as e:  # noqa: BLE001 (every failure goes to the client)
             self.report_death(
                 DeadKind.STARTUP_FAILED, f"engine core failed to start: {type(e).__name__}: {e}"
             )
             raise _Reported() from e
-        self.send_now(
+        self._input_thread = threading.Thread(
+            target=self._input_loop, args=(decoder,), daemon=True, name="core-input"
+        )
+        self._output_thread = threading.Thread(
+            target=self._output_loop, daemon=True, name="core-output"
+        )
+        self._input_thread.start()
+        self._output_thread.start()
+        self._serving = True
+        self.out_q.put(
             EngineReady(
                 max_model_len=config.model.max_model_len,
                 num_blocks=core.num_blocks,
@@ -116,65 +168,175 @@ class EngineCoreProc:
                 vocab_size=int(config.model.hf_config.vocab_size),
             )
         )
-        threading.Thread(
-            target=self._input_loop, args=(decoder,), daemon=True, name="core-input"
-        ).start()
-        threading.Thread(target=self._output_loop, daemon=True, name="core-output").start()
         return core
 
-    def _input_loop(self, decoder: Decoder) -> None:
-        while True:
+    def run(self) -> int:
+        """Starts the core, serves until stopped or failed, then shuts down in order;
+        the process's exit code."""
+        self._runner = threading.current_thread()
+        code = 0
+        try:
+            self.run_busy_loop(self.start())
+        except _Stop as e:
+            self.report_death(DeadKind.STOPPED, f"engine core stopped by {e}")
+        except _Reported:
+            code = 1
+        except BaseException as e:  # noqa: BLE001
+            logger.exception("engine core failed")
+            self.report_death(DeadKind.CRASHED, f"engine core died: {type(e).__name__}: {e}")
+            code = 1
+        finally:
             try:
-                frames = self.input.recv_multipart(copy=False)
-            except zmq.ContextTerminated:
-                self.input.close(linger=0)
-                return
-            try:
-                self.in_q.put(decoder.decode([f.buffer for f in frames]))
-            except ValueError as e:
-                logger.warning("dropped a malformed message: %s", e)
+                self.shutdown()
+            finally:
+                self.remove_ipc_dir()
+        return code
 
-    def _output_loop(self) -> None:
-        encoder = Encoder()
-        while True:
-            item = self.out_q.get()
-            if item is None:  # the process is ending: the main thread takes the socket back
-                return
-            self.output.send_multipart(encoder.encode(item), copy=False)
+    def on_signal(self, signum: int, frame: Any) -> None:
+        # Once: a second signal must not interrupt the orderly exit of the first.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self.request_stop(signal.Signals(signum).name)
+
+    def request_stop(self, reason: str) -> None:
+        """Leaves the busy loop in order; from any thread, or from a signal handler, which
+        runs in the thread that runs the core: there, before the I/O threads exist (while
+        the model loads), it interrupts what that thread does."""
+        if not self._serving and threading.current_thread() is self._runner:
+            raise _Stop(reason)
+        self.in_q.put(_Control(reason, failed=False))
 
     def report_death(self, kind: DeadKind, reason: str) -> None:
-        """Sends EngineDead behind any pending outputs, then stops the output thread."""
-        if self._output_thread is None:
+        """Sends EngineDead behind any pending outputs (through the output thread while it
+        lives, as its last message); never raises: the exit must go on."""
+        try:
+            out = self._output_thread
+            if out is not None and not self._output_failed and out.is_alive():
+                self.out_q.put(EngineDead(kind, reason))
+                self.out_q.put(None)
+                return
+            if out is not None:
+                out.join(JOIN_S)  # a failed output thread is on its way out
             self.send_now(EngineDead(kind, reason))
-            return
-        self.out_q.put(EngineDead(kind, reason))
-        self.out_q.put(None)
-        self._output_thread.join(timeout=5.0)
+        except Exception:  # noqa: BLE001
+            logger.exception("could not report the engine core's death")
 
-    def close(self) -> None:
-        """Flushes what was sent (linger) before the process exits. A socket still in use
-        by a stuck thread is left alone: the process exits regardless."""
-        if self._output_thread is not None and self._output_thread.is_alive():
+    def shutdown(self) -> None:
+        """Stops the I/O threads and joins them, then closes the sockets and ends the
+        context (flushing what was sent, within the output socket's linger). A socket a
+        stuck thread still uses is left alone: the process exits regardless."""
+        if self._closed:
             return
+        self._closed = True
+        self.out_q.put(None)
+        try:
+            self._wake_tx.send(b"", flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        stuck = []
+        for t in (self._input_thread, self._output_thread):
+            if t is not None:
+                t.join(JOIN_S)
+                if t.is_alive():
+                    stuck.append(t.name)
+        if stuck:
+            logger.warning("I/O thread(s) %s did not stop; sockets left open", stuck)
+            return
+        for sock in (self.input, self._wake_rx, self._wake_tx):
+            sock.close(linger=0)
         self.output.close(linger=2000)
-        if self._input_thread is None:
-            self.input.close(linger=0)
         self.ctx.term()
 
-    def _handle(self, core: EngineCore, kind: MsgKind, obj: Any) -> None:
+    def remove_ipc_dir(self) -> None:
+        """Removes the host's private socket folder (the host may be gone: killed hosts
+        clean nothing up); a folder that does not look like ours is left alone."""
+        try:
+            remove_private_ipc_dir(self.input_addr, self.output_addr)
+        except Exception:  # noqa: BLE001
+            logger.exception("could not remove the socket folder")
+
+    # -- I/O threads -------------------------------------------------------------------
+
+    def _input_loop(self, decoder: Decoder) -> None:
+        """Decodes frames into the queue until woken to stop. A frame that cannot be
+        decoded is dropped (its request or call answered with an error when its id can
+        be read); any other failure here kills the engine, loudly."""
+        try:
+            poller = zmq.Poller()
+            poller.register(self.input, zmq.POLLIN)
+            poller.register(self._wake_rx, zmq.POLLIN)
+            while True:
+                ready = dict(poller.poll())
+                if self._wake_rx in ready:
+                    return
+                while True:
+                    try:
+                        frames = self.input.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    item = self._decode(decoder, frames)
+                    if item is not None:
+                        self.in_q.put(item)
+        except BaseException as e:  # noqa: BLE001 (reported, then the core exits)
+            logger.exception("the engine core's input thread failed")
+            self.in_q.put(_Control(f"input thread failed: {type(e).__name__}: {e}", True))
+
+    @staticmethod
+    def _decode(decoder: Decoder, frames: list[zmq.Frame]) -> Any:
+        try:
+            return decoder.decode([f.buffer for f in frames])
+        except Exception as e:  # noqa: BLE001 (whatever a hostile frame makes decoding raise)
+            ident = getattr(e, "ident", None)
+            if ident is None:
+                logger.warning("dropped a malformed message: %s", e)
+                return None
+            logger.warning("refused a malformed message for %r: %s", ident, e)
+            return e.kind, _Undecodable(ident, str(e))  # type: ignore[attr-defined]
+
+    def _output_loop(self) -> None:
+        """Encodes and sends until given None. If it fails, the main thread learns of it
+        and reports the death itself (this thread is gone by then)."""
+        encoder = Encoder()
+        try:
+            while True:
+                item = self.out_q.get()
+                if item is None:
+                    return
+                self.output.send_multipart(encoder.encode(item), copy=False)
+        except BaseException as e:  # noqa: BLE001 (reported, then the core exits)
+            logger.exception("the engine core's output thread failed")
+            self._output_failed = True  # before the main thread hears of it
+            self.in_q.put(_Control(f"output thread failed: {type(e).__name__}: {e}", True))
+
+    # -- the busy loop -----------------------------------------------------------------
+
+    def _handle(self, core: EngineCore, item: Any) -> None:
+        if isinstance(item, _Control):
+            if item.failed:
+                raise _IOThreadFailed(item.reason)
+            raise _Stop(item.reason)
+        kind, obj = item
         if isinstance(obj, EngineCoreRequest):
             try:
                 core.add_request(obj)
             except (ValueError, TypeError) as e:
-                error = RequestError(ErrorKind.INVALID, str(e))
-                err = EngineCoreOutput(obj.request_id, [], finish_reason="abort", error=error)
-                self.out_q.put(EngineCoreOutputs(outputs=[err]))
+                self._refuse(obj.request_id, str(e))
+        elif isinstance(obj, _Undecodable):
+            if kind is MsgKind.ADD:
+                self._refuse(str(obj.ident), obj.reason)
+            else:
+                self.out_q.put(UtilityResult(int(obj.ident), error=obj.reason))
         elif isinstance(obj, AbortRequests):
             core.abort_requests(obj.request_ids)
         elif isinstance(obj, UtilityCall):
             self.out_q.put(self._utility(core, obj))
         else:
             logger.warning("ignored a %s message", kind.name)
+
+    def _refuse(self, request_id: str, reason: str) -> None:
+        error = RequestError(ErrorKind.INVALID, reason)
+        err = EngineCoreOutput(request_id, [], finish_reason="abort", error=error)
+        self.out_q.put(EngineCoreOutputs(outputs=[err]))
 
     def _utility(self, core: EngineCore, call: UtilityCall) -> UtilityResult:
         try:
@@ -191,10 +353,10 @@ class EngineCoreProc:
     def run_busy_loop(self, core: EngineCore) -> None:
         while True:
             if not core.has_unfinished_requests() and not core.has_pending_outputs():
-                self._handle(core, *self.in_q.get())
+                self._handle(core, self.in_q.get())
             while True:
                 try:
-                    self._handle(core, *self.in_q.get_nowait())
+                    self._handle(core, self.in_q.get_nowait())
                 except queue.Empty:
                     break
             if core.has_unfinished_requests() or core.has_pending_outputs():
@@ -211,26 +373,15 @@ def main() -> None:
         stream=sys.stderr,
         format="%(asctime)s engine-core %(levelname)s %(message)s",
     )
-    threading.Thread(target=_watch_parent, daemon=True, name="parent-watch").start()
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
     proc = EngineCoreProc(args.input, args.output)
-    code = 0
+    threading.Thread(target=_watch_parent, args=(proc,), daemon=True, name="parent-watch").start()
+    signal.signal(signal.SIGTERM, proc.on_signal)
+    signal.signal(signal.SIGINT, proc.on_signal)
+    code = 1
     try:
-        proc.run_busy_loop(proc.start())
-    except _Stop as e:
-        proc.report_death(DeadKind.STOPPED, f"engine core stopped by {e}")
-    except _Reported:
-        code = 1
-    except BaseException as e:  # noqa: BLE001
-        logger.exception("engine core failed")
-        proc.report_death(DeadKind.CRASHED, f"engine core died: {type(e).__name__}: {e}")
-        code = 1
+        code = proc.run()
     finally:
-        try:
-            proc.close()
-        finally:
-            os._exit(code)
+        os._exit(code)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -34,12 +35,51 @@ def startup_message(args: EngineArgs) -> EngineStartup:
     return EngineStartup(engine_args=out)
 
 
+IPC_PREFIX = "allm-"  # the private socket folder's name starts so
+IPC_SOCKETS = ("in", "out")  # and it holds these two sockets, nothing else
+
+
 def _private_ipc_dir() -> str:
     """A 0700 folder with a short path (unix socket paths are limited to 107 bytes)."""
     base = tempfile.gettempdir()
     if len(base) > 60:
         base = "/tmp"
-    return tempfile.mkdtemp(prefix="allm-", dir=base)
+    return tempfile.mkdtemp(prefix=IPC_PREFIX, dir=base)
+
+
+def remove_private_ipc_dir(input_addr: str, output_addr: str) -> bool:
+    """Removes the private folder that holds the two sockets, from their addresses, if it
+    looks like one of ours: both addresses `ipc://<dir>/in` and `ipc://<dir>/out`, the
+    folder named `allm-…`, a real folder of this user holding nothing but those two
+    sockets. The engine core calls this on its way out, since a killed host cleans
+    nothing up. True if the folder is gone (already, or now)."""
+    paths = []
+    for addr, name in zip((input_addr, output_addr), IPC_SOCKETS, strict=True):
+        if not addr.startswith("ipc://"):
+            return False
+        path = Path(addr.removeprefix("ipc://"))
+        if path.name != name or not path.is_absolute():
+            return False
+        paths.append(path)
+    folder = paths[0].parent
+    if paths[1].parent != folder or not folder.name.startswith(IPC_PREFIX):
+        return False
+    try:
+        st = folder.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return False
+        entries = os.listdir(folder)
+        if not set(entries) <= set(IPC_SOCKETS):
+            return False
+        for name in entries:
+            if not stat.S_ISSOCK((folder / name).lstat().st_mode):
+                return False
+        for name in entries:
+            (folder / name).unlink(missing_ok=True)
+        folder.rmdir()
+    except FileNotFoundError:  # the host removed it meanwhile
+        pass
+    return not os.path.lexists(folder)
 
 
 def _child_env() -> dict[str, str]:

@@ -130,7 +130,7 @@ class Frontend:
         parent = ParentRequest(request_id, params.n, params.output_kind)
         reqs = []
         for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
+            seed = None if params.seed is None else (params.seed + i) % 2**64
             child_params = params.clone(n=1, seed=seed)
             cid = child_request_id(request_id, i)
             reqs.append(ip.process(cid, prompt, child_params, priority, prompt_ids))

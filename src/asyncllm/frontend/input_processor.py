@@ -11,7 +11,7 @@ from typing import Any
 
 from asyncllm.config import EngineConfig
 from asyncllm.messages import EngineCoreRequest
-from asyncllm.sampling_params import SamplingParams
+from asyncllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -82,6 +82,7 @@ class InputProcessor:
             raise TypeError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
             )
+        params.verify()  # again: the object may have been changed since it was made
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)
             if v is not None and v > self.config.max_logprobs:
@@ -110,6 +111,9 @@ class InputProcessor:
             raise TypeError("request_id must be a non-empty str")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if not INT64_MIN <= priority <= INT64_MAX:
+            what = priority if abs(priority).bit_length() <= 100 else "a larger int"
+            raise ValueError(f"priority must fit in int64 ([-2**63, 2**63 - 1]), got {what}")
         if prompt_ids is None:
             _, prompt_ids = self.tokenize_prompt(prompt)
         room = self.max_model_len - len(prompt_ids)

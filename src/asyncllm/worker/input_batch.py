@@ -48,20 +48,27 @@ class InputBatch:
     def add(
         self, state_args: dict, block_ids: list[int], num_computed_tokens: int
     ) -> CachedRequestState:
+        """Gives the request a row. Raises (and takes no row) if it cannot be added: a
+        full batch, an id already in it, or more tokens or blocks than fit a row."""
         if not self._free_rows:
             raise RuntimeError(
                 f"more than max_num_seqs ({self.max_num_reqs}) requests in the batch"
             )
-        row = self._free_rows.pop()
-        state = CachedRequestState(row=row, **state_args)
+        state = CachedRequestState(row=self._free_rows[-1], **state_args)
+        if state.req_id in self.requests:
+            raise ValueError(f"request {state.req_id!r} is already in the batch")
         tokens = state.prompt_token_ids + state.output_token_ids
         if len(tokens) > self.max_model_len:
             raise ValueError(f"request {state.req_id!r} has more than max_model_len tokens")
-        self.token_ids[row, : len(tokens)] = tokens
+        if len(block_ids) > self.block_table.shape[1]:
+            raise ValueError(f"request {state.req_id!r} has more blocks than max_model_len needs")
+        row = state.row
+        self.token_ids[row, : len(tokens)] = tokens  # raises for ids past int64
         self.num_tokens[row] = len(tokens)
         self.num_computed_tokens[row] = num_computed_tokens
         self.num_blocks[row] = 0
         self.append_blocks(row, block_ids)
+        self._free_rows.pop()
         self.requests[state.req_id] = state
         return state
 

@@ -4,10 +4,17 @@ runs the model, computes logits only where needed, samples.
 Logits are computed for each request's last scheduled token when that token ends
 what is known of the request (a finished prefill or a decode), and for every prompt
 position of requests that asked for prompt logprobs. One LM-head matmul covers both.
+
+A bad value in one request never fails the step: each new request is checked (and its
+per-request state built) on its own, and one that cannot be taken is dropped from the
+batch and reported in `ModelRunnerOutput.failed`; if building the batch's sampling
+state or sampling still fails, each request is retried alone, and only those that fail
+alone are reported. An error no request can be blamed for propagates (the engine dies).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +29,11 @@ from asyncllm.model.loader import load_model
 from asyncllm.sample.logits_processor import LogitsProcessor, load_logits_processor_class
 from asyncllm.sample.ops import bincount_rows
 from asyncllm.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
-from asyncllm.step_io import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from asyncllm.sampling_params import SamplingParams
+from asyncllm.step_io import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from asyncllm.worker.input_batch import CachedRequestState, InputBatch
+
+logger = logging.getLogger(__name__)
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -129,51 +139,54 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(so)
-        if not so.num_scheduled_tokens:
-            return ModelRunnerOutput(sampled_token_ids={})
-        inputs = self._prepare_inputs(so)
+        failed = self._update_states(so)
+        scheduled = so.num_scheduled_tokens
+        if failed:  # (the scheduler's own dict stays as it was)
+            scheduled = {rid: n for rid, n in scheduled.items() if rid not in failed}
+        if not scheduled:
+            return ModelRunnerOutput(sampled_token_ids={}, failed=failed)
+        inputs = self._prepare_inputs(scheduled)
         hidden = self._run_model(inputs)
         # Picked before sampling appends tokens: whether a request samples, and whether it
         # still owes prompt logprobs, depend on the tokens it had when the step began.
         picks = self._pick_logit_rows(inputs)
         logits = self._compute_logits(hidden, picks)
-        sampled, logprobs = self._sample(inputs, picks, logits)
+        sampled, logprobs, sample_failed = self._sample(inputs, picks, logits)
         prompt_logprobs = self._prompt_logprobs(picks, logits)
         self.input_batch.num_computed_tokens[inputs.rows] = inputs.seq_lens  # now cached
+        for rid in sample_failed:
+            self._drop(rid)
+            prompt_logprobs.pop(rid, None)
+        failed.update(sample_failed)
         return ModelRunnerOutput(
-            sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            failed=failed,
         )
 
-    def _update_states(self, so: SchedulerOutput) -> None:
+    def _drop(self, req_id: str) -> None:
+        """Takes a request out of the persistent batch and the logits processors."""
+        state = self.input_batch.remove(req_id)
+        if state is not None:
+            for p in self.processors:
+                p.remove_request(state.row)
+
+    def _update_states(self, so: SchedulerOutput) -> dict[str, str]:
         """Brings the persistent batch up to date: drops finished (or preempted)
-        requests, adds new (or resumed) ones, appends new blocks and progress."""
+        requests, adds new (or resumed) ones, appends new blocks and progress. Returns
+        the new requests that could not be added (request id -> why), which are not in
+        the batch."""
         batch = self.input_batch
         for rid in so.finished_req_ids:
-            state = batch.remove(rid)
-            if state is not None:
-                for p in self.processors:
-                    p.remove_request(state.row)
+            self._drop(rid)
+        failed: dict[str, str] = {}
         for new in so.scheduled_new_reqs:
-            gen = None
-            if new.sampling_params.seed is not None:
-                gen = torch.Generator(device=self.device)
-            state = batch.add(
-                dict(
-                    req_id=new.req_id,
-                    prompt_token_ids=list(new.prompt_token_ids),
-                    output_token_ids=list(new.output_token_ids),
-                    sampling_params=new.sampling_params,
-                    generator=gen,
-                    eos_token_id=new.eos_token_id,
-                ),
-                new.block_ids,
-                new.num_computed_tokens,
-            )
-            for p in self.processors:
-                p.add_request(
-                    state.row, new.sampling_params, state.prompt_token_ids, state.output_token_ids
-                )
+            try:
+                self._add_request(new)
+            except Exception as e:  # noqa: BLE001 (this request's fault: it fails alone)
+                logger.warning("request %r failed in the model runner: %s", new.req_id, e)
+                failed[new.req_id] = f"the model runner could not take it: {type(e).__name__}: {e}"
         cached = so.scheduled_cached_reqs
         for rid, blocks, computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
@@ -182,14 +195,76 @@ class ModelRunner:
             if blocks:
                 batch.append_blocks(row, blocks)
             batch.num_computed_tokens[row] = computed
+        return failed
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
-        """The step's flat batch with vectorised gathers from the persistent arrays (no
-        per-token Python), and the attention metadata every layer shares."""
+    def _add_request(self, new: NewRequestData) -> None:
+        """Adds a new (or resumed) request to the persistent batch and the logits
+        processors; raises, leaving no trace of it, if anything of it is bad."""
+        self._check_new_request(new)
+        gen = None
+        if new.sampling_params.seed is not None:
+            gen = torch.Generator(device=self.device)
+        state = self.input_batch.add(
+            dict(
+                req_id=new.req_id,
+                prompt_token_ids=list(new.prompt_token_ids),
+                output_token_ids=list(new.output_token_ids),
+                sampling_params=new.sampling_params,
+                generator=gen,
+                eos_token_id=new.eos_token_id,
+            ),
+            new.block_ids,
+            new.num_computed_tokens,
+        )
+        added: list[LogitsProcessor] = []
+        try:
+            for p in self.processors:
+                p.add_request(
+                    state.row, new.sampling_params, state.prompt_token_ids, state.output_token_ids
+                )
+                added.append(p)
+        except BaseException:
+            self.input_batch.remove(new.req_id)
+            for p in added:
+                p.remove_request(state.row)
+            raise
+
+    def _check_new_request(self, new: NewRequestData) -> None:
+        """Everything of one request that would fail a whole step if it were bad (a
+        token id the embedding or a logits index cannot take, a number no tensor can
+        hold, more logprobs than the vocabulary): the frontend and the core check all
+        this before, but a request that skipped them must fail alone."""
+        params = new.sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params is a {type(params).__name__}")
+        params.verify()  # types and ranges: every number fits its tensor
+        vocab = self.vocab_size
+        tokens = new.prompt_token_ids + new.output_token_ids
+        if not tokens:
+            raise ValueError("it has no tokens")
+        if not all(type(t) is int for t in tokens) or min(tokens) < 0 or max(tokens) >= vocab:
+            raise ValueError(f"its token ids must be ints in [0, {vocab})")
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids or ()),
+            ("logit_bias", params.logit_bias or {}),
+        ):
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"{name} has a token id outside [0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and v > vocab:
+                raise ValueError(f"{name} is {v}, more than the {vocab} tokens there are")
+        if not 0 <= new.num_computed_tokens <= len(tokens):
+            raise ValueError(f"num_computed_tokens {new.num_computed_tokens} is out of range")
+
+    def _prepare_inputs(self, scheduled: dict[str, int]) -> StepInputs:
+        """The step's flat batch (`scheduled`: request id -> tokens, in batch order) with
+        vectorised gathers from the persistent arrays (no per-token Python), and the
+        attention metadata every layer shares."""
         batch = self.input_batch
-        states = [batch.requests[r] for r in so.num_scheduled_tokens]
+        states = [batch.requests[r] for r in scheduled]
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        n = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int32, count=len(states))
+        n = np.fromiter(scheduled.values(), dtype=np.int32, count=len(states))
         qsl = np.zeros(len(n) + 1, dtype=np.int32)
         np.cumsum(n, out=qsl[1:])
         computed = batch.num_computed_tokens[rows].astype(np.int64)
@@ -259,15 +334,48 @@ class ModelRunner:
 
     def _sample(
         self, inputs: StepInputs, picks: LogitRows, logits: torch.Tensor
-    ) -> tuple[dict[str, list[int]], dict[str, TokenLogprobs]]:
+    ) -> tuple[dict[str, list[int]], dict[str, TokenLogprobs], dict[str, str]]:
         """One token per sampling request (the first rows of `logits`), appended to the
-        persistent batch; with its logprobs where asked."""
+        persistent batch; with its logprobs where asked. If the batch cannot be sampled,
+        each request is sampled alone: those that fail alone are returned (request id ->
+        why) and get nothing; if all of them fail, the error is the step's and is raised."""
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, TokenLogprobs] = {}
+        failed: dict[str, str] = {}
         if not len(picks.samples):
-            return sampled, logprobs
+            return sampled, logprobs, failed
         states = [inputs.states[i] for i in picks.samples]
-        result = self.sampler(logits[: len(states)], self._sampling_metadata(states))
+        try:
+            results = [(states, self._sample_rows(states, logits[: len(states)]))]
+        except Exception as batch_error:
+            results = []
+            for k, state in enumerate(states):
+                try:
+                    results.append(([state], self._sample_rows([state], logits[k : k + 1].clone())))
+                except Exception as e:  # noqa: BLE001 (tried alone: this request's fault)
+                    failed[state.req_id] = f"sampling failed: {type(e).__name__}: {e}"
+            if not results:
+                raise batch_error
+            logger.warning("requests failed in sampling, the rest of the batch went on: %s", failed)
+        for group, (tokens, top) in results:
+            for k, (state, token) in enumerate(zip(group, tokens)):
+                sampled[state.req_id] = [token]
+                want = state.sampling_params.logprobs
+                if want is not None:
+                    assert top is not None  # the sampler computes them when any row wants them
+                    ids, lps, ranks = top
+                    logprobs[state.req_id] = TokenLogprobs(
+                        [ids[k][: 1 + want]], [lps[k][: 1 + want]], [ranks[k]]
+                    )
+                self.input_batch.append_token(state, token)
+        return sampled, logprobs, failed
+
+    def _sample_rows(
+        self, states: list[CachedRequestState], logits: torch.Tensor
+    ) -> tuple[list[int], tuple[list, list, list] | None]:
+        """Samples one token for each of `states` (row i of `logits`): the tokens, and
+        (ids, logprobs, ranks) lists if any of them wants logprobs."""
+        result = self.sampler(logits, self._sampling_metadata(states))
         tokens = result.token_ids.tolist()
         top = None
         if result.logprobs is not None:
@@ -277,17 +385,7 @@ class ModelRunner:
                 result.logprobs.tolist(),
                 result.ranks.tolist(),
             )
-        for k, (state, token) in enumerate(zip(states, tokens)):
-            sampled[state.req_id] = [token]
-            want = state.sampling_params.logprobs
-            if want is not None:
-                assert top is not None  # the sampler computes them when any row wants them
-                ids, lps, ranks = top
-                logprobs[state.req_id] = TokenLogprobs(
-                    [ids[k][: 1 + want]], [lps[k][: 1 + want]], [ranks[k]]
-                )
-            self.input_batch.append_token(state, token)
-        return sampled, logprobs
+        return tokens, top
 
     def _prompt_logprobs(self, picks: LogitRows, logits: torch.Tensor) -> dict[str, TokenLogprobs]:
         """Per request, the logprob and rank of each next prompt token, with the top-n."""
@@ -345,8 +443,8 @@ class ModelRunner:
         for i, (s, p) in enumerate(zip(states, params)):
             if len(s.output_token_ids) < p.min_tokens:
                 blocked = list(p.stop_token_ids or ())
-                if s.eos_token_id is not None and not p.ignore_eos:
-                    blocked.append(s.eos_token_id)
+                if s.eos_token_id is not None and not p.ignore_eos and 0 <= s.eos_token_id < V:
+                    blocked.append(s.eos_token_id)  # (an id past the vocabulary is never drawn)
                 if blocked:
                     md.blocked_tokens.append((i, blocked))
         want = [p.logprobs for p in params if p.logprobs is not None]
