@@ -212,8 +212,11 @@ class AsyncLLM:
         """Forgets the request here and tells the core; never blocks, never raises."""
         if self.frontend is None or self.client is None:
             return
-        core_ids = self.frontend.abort_requests([request_id])
-        if core_ids and self._dead is None and not self._closed:
+        self._abort_in_core(self.frontend.abort_requests([request_id]))
+
+    def _abort_in_core(self, core_ids: list[str]) -> None:
+        """Tells a live core to drop these requests; never blocks, never raises."""
+        if core_ids and self.client is not None and self._dead is None and not self._closed:
             try:
                 self.client.abort_requests(core_ids)
             except EngineDeadError:
@@ -231,11 +234,7 @@ class AsyncLLM:
             collector = self._collectors.get(out.request_id)
             if collector is not None:
                 collector.put(out)
-        if core_ids and self._dead is None and not self._closed:
-            try:
-                self.client.abort_requests(core_ids)
-            except EngineDeadError:
-                pass
+        self._abort_in_core(core_ids)
 
     async def check_health(self, timeout: float = 10.0) -> None:
         """Raises EngineDeadError unless the core answers within `timeout` seconds."""
