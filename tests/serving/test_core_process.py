@@ -2,9 +2,10 @@
 and the private socket folder. Model-free: the embedded model's config and tokenizer with
 an executor that answers at once.
 
-Most cycles run `EngineCoreProc` on a thread of this process against real ZMQ sockets
-bound as the clients bind them (a full process start costs seconds, almost all of it
-importing torch and transformers in the new interpreter); a few run the real process.
+Most tests run `EngineCoreProc` on a thread of this process against real ZMQ sockets
+bound as the clients bind them; the 50 start/shutdown cycles run real core processes
+forked from a warm parent (`core_zygote.py`: a fresh interpreter spends seconds importing
+torch and transformers); a few start the process exactly as the clients do.
 """
 
 from __future__ import annotations
@@ -78,11 +79,11 @@ def _with_deep_field(msg: Any) -> bytes:
     return bytes([body[0] + 1]) + body[1:] + msgspec.msgpack.encode("junk") + DEEP
 
 
-class InProcessCore:
-    """An EngineCoreProc on a thread of this process, its sockets bound as a client binds
-    them (in a private allm- folder). `run()` returns what the process would exit with."""
+class HostSide:
+    """The two sockets bound as a client binds them (in a private allm- folder), with the
+    startup message sent; the core on the other end is the subclass's."""
 
-    def __init__(self, args: EngineArgs = CORE_ARGS) -> None:
+    def __init__(self) -> None:
         self.where = CoreProcess()  # the private folder and the addresses; never started
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PUSH)
@@ -92,15 +93,7 @@ class InProcessCore:
         self.output.setsockopt(zmq.LINGER, 0)
         self.output.setsockopt(zmq.RCVHWM, 0)  # as the clients bind it (core_client._MPClientBase)
         self.output.bind(self.where.output_addr)
-        self.proc = EngineCoreProc(self.where.input_addr, self.where.output_addr)
-        self.code: int | None = None
-        self.thread = threading.Thread(target=self._run, name="test-core", daemon=True)
-        self.thread.start()
         self.encoder, self.decoder = Encoder(), Decoder(FROM_CORE)
-        self.send_frames(self.encoder.encode(startup_message(args)))
-
-    def _run(self) -> None:
-        self.code = self.proc.run()
 
     def send_frames(self, frames: list) -> None:
         self.input.send_multipart(frames, copy=False)
@@ -126,6 +119,28 @@ class InProcessCore:
             if any(o.request_id == rid and o.finished for o in out.outputs):
                 return out
 
+    def close_sockets(self) -> None:
+        self.input.close(linger=0)
+        self.output.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.where.ipc_dir, ignore_errors=True)
+
+
+class InProcessCore(HostSide):
+    """An EngineCoreProc on a thread of this process. `run()` returns what the process
+    would exit with."""
+
+    def __init__(self, args: EngineArgs = CORE_ARGS) -> None:
+        super().__init__()
+        self.proc = EngineCoreProc(self.where.input_addr, self.where.output_addr)
+        self.code: int | None = None
+        self.thread = threading.Thread(target=self._run, name="test-core", daemon=True)
+        self.thread.start()
+        self.send(startup_message(args))
+
+    def _run(self) -> None:
+        self.code = self.proc.run()
+
     def end(self) -> int | None:
         """Waits for the core's thread to return, then closes our side."""
         self.thread.join(GUARD_S)
@@ -137,10 +152,7 @@ class InProcessCore:
         if self.thread.is_alive():
             self.proc.request_stop("test over")
             self.thread.join(GUARD_S)
-        self.input.close(linger=0)
-        self.output.close(linger=0)
-        self.ctx.term()
-        shutil.rmtree(self.where.ipc_dir, ignore_errors=True)
+        self.close_sockets()
 
 
 @pytest.fixture
@@ -196,28 +208,80 @@ def test_io_threads_are_joined_before_any_socket_closes(core, monkeypatch):
         assert alive == [], f"{name} closed while {alive} still ran"
 
 
-def test_fifty_start_shutdown_cycles_end_in_order(core):
-    """The core's side of 50 start/shutdown cycles, alternately idle and mid-stream when
-    told to stop: each reports STOPPED last, exits 0, leaves no I/O thread and removes
-    its socket folder."""
+class Zygote:
+    """tests/serving/core_zygote.py in a subprocess: forks real core processes."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.serving.core_zygote"],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._read() == "ready"
+
+    def _read(self) -> str:
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline().strip()
+
+    def ask(self, line: str) -> int:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return int(self._read().split()[1])
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        assert self.proc.wait(GUARD_S) == 0
+
+
+def test_fifty_process_start_shutdown_cycles_exit_0():
+    """50 real engine-core processes (forked from a warm parent, so the interpreter's
+    imports are paid once), alternately idle and mid-stream when SIGTERM arrives, as
+    `CoreProcess.stop` sends it: each reports STOPPED, exits with code 0 and removes its
+    socket folder."""
+    zygote = Zygote()
     t0 = time.monotonic()
-    for i in range(50):
+    try:
+        for i in range(50):
+            host = HostSide()
+            try:
+                pid = zygote.ask(f"start {host.where.input_addr} {host.where.output_addr}")
+                host.send(startup_message(CORE_ARGS))
+                assert isinstance(host.wait_for(MsgKind.READY), EngineReady)
+                host.send(_request(f"r{i}", max_tokens=5 if i % 2 else 10_000))
+                if i % 2:
+                    host.finish(f"r{i}")
+                else:
+                    host.wait_for(MsgKind.OUTPUTS)  # stopped while it streams
+                os.kill(pid, signal.SIGTERM)
+                assert host.wait_for(MsgKind.DEAD).kind is DeadKind.STOPPED
+                assert zygote.ask(f"wait {pid}") == 0, f"cycle {i}"
+                assert not os.path.exists(host.where.ipc_dir)
+            finally:
+                host.close_sockets()
+    finally:
+        zygote.close()
+    print(f"50 process cycles: {time.monotonic() - t0:.1f} s")
+
+
+def test_ten_in_process_cycles_leave_no_io_thread(core):
+    """The same cycle with the core on a thread here: no I/O thread outlives a stop."""
+    for i in range(10):
         c = core()
         assert isinstance(c.wait_for(MsgKind.READY), EngineReady)
         c.send(_request(f"r{i}", max_tokens=5 if i % 2 else 10_000))
         if i % 2:
             c.finish(f"r{i}")
         else:
-            c.wait_for(MsgKind.OUTPUTS)  # stopped while it streams
+            c.wait_for(MsgKind.OUTPUTS)
         c.proc.request_stop("test")
-        kind, obj = c.recv()
-        while kind is not MsgKind.DEAD:
-            kind, obj = c.recv()
-        assert obj.kind is DeadKind.STOPPED
+        assert c.wait_for(MsgKind.DEAD).kind is DeadKind.STOPPED
         assert c.end() == 0, f"cycle {i}"
         assert _io_threads() == []
         assert not os.path.exists(c.where.ipc_dir)
-    print(f"50 in-process cycles: {time.monotonic() - t0:.1f} s")
 
 
 @on_session_loop

@@ -363,11 +363,11 @@ class EngineCoreProc:
                 self.out_q.put(core.step())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="asyncllm engine core process")
     parser.add_argument("--input", required=True)
     parser.add_argument("--output", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=envs.log_level(),
         stream=sys.stderr,
