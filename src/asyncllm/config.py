@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,9 +85,26 @@ class EngineConfig:
     enforce_eager: bool = False
     max_logprobs: int = 20
     attention_backend: str | None = None
+    # Decode batch sizes with a CUDA graph (sorted; empty: every step runs eager).
+    cudagraph_capture_sizes: list[int] = field(default_factory=list)
 
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+# Defaults that depend on the device: (max_num_seqs, max_num_batched_tokens).
+CUDA_BATCH_DEFAULTS = (1024, 16384)
+CPU_BATCH_DEFAULTS = (128, 2048)
+
+
+def default_capture_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to max_num_seqs (capped at `limit`; larger decode
+    batches run eager)."""
+    top = min(max_num_seqs, limit)
+    sizes = [s for s in (1, 2, 4) if s < top] + list(range(8, top + 1, 8))
+    if not sizes or sizes[-1] != top:
+        sizes.append(top)
+    return sizes
+
+
 ATTENTION_BACKENDS = (None, "triton", "torch_native")
 
 
@@ -119,15 +136,18 @@ class EngineArgs:
     block_size: int = 16
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None  # None: 1024 on CUDA, 128 on the CPU
+    max_num_batched_tokens: int | None = None  # None: 16384 on CUDA, 2048 on the CPU
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
-    # Accepted for vLLM compatibility; no effect yet: there are no CUDA graphs to turn off.
+    # True: no CUDA graphs, every step runs eager.
     enforce_eager: bool = False
+    # Decode batch sizes captured as CUDA graphs; None: 1, 2, 4, 8, then every 8 up to
+    # min(max_num_seqs, 512). Larger decode batches and mixed steps run eager.
+    cudagraph_capture_sizes: list[int] | None = None
     load_format: str = "auto"
     revision: str | None = None
     tensor_parallel_size: int = 1
@@ -177,7 +197,14 @@ class EngineArgs:
             "enforce_eager",
         ):
             _check_bool(name, getattr(self, name))
-        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_seqs", self.max_num_seqs, 1, optional=True)
+        if self.cudagraph_capture_sizes is not None:
+            sizes = self.cudagraph_capture_sizes
+            if not isinstance(sizes, list | tuple):
+                raise TypeError("cudagraph_capture_sizes must be a list of ints")
+            for size in sizes:
+                _check_int("cudagraph_capture_sizes[]", size, 1)
+            self.cudagraph_capture_sizes = sorted(set(sizes))
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1, optional=True)

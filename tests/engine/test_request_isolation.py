@@ -396,9 +396,9 @@ def test_a_logits_processor_refusing_a_request_fails_it_alone(tiny_core):
     assert results[forced.request_id].tokens == [42] * 5
 
 
-def test_a_failure_building_the_batch_sampling_state_fails_only_the_culprit(tiny_core, monkeypatch):
-    """Past the runner's own checks too: the batch's sampling state cannot be built, so
-    each request is sampled alone and only the one that fails alone is failed."""
+def test_a_value_the_sampling_rows_cannot_hold_fails_only_the_culprit(tiny_core, monkeypatch):
+    """Past the runner's own checks too: the request's row of sampling parameters
+    cannot be written when it joins, so only it fails."""
     runner = tiny_core.executor.worker.runner
     monkeypatch.setattr(runner, "_check_new_request", lambda new: None)
     good, bad = _batch(), _request(_prompt(6, 70), max_tokens=5, temperature=0.8)
@@ -407,6 +407,23 @@ def test_a_failure_building_the_batch_sampling_state_fails_only_the_culprit(tiny
         req.sampling_params.top_k = 2**63
 
     results = _run_with_bad(tiny_core, good, bad, break_it)
+    _check_isolated(tiny_core, results, bad.request_id, [g.request_id for g in good], "take it")
+
+
+def test_a_batch_that_cannot_be_sampled_is_sampled_alone(tiny_core, monkeypatch):
+    """Sampling the whole batch fails; each request is sampled alone and only the one
+    that fails alone is failed."""
+    runner = tiny_core.executor.worker.runner
+    good, bad = _batch(), _request(_prompt(6, 70), max_tokens=5, temperature=0.8)
+    metadata = runner.sampling.metadata
+
+    def fails_with_the_culprit(states, rows, rows_dev):
+        if any(s.req_id == bad.request_id for s in states):
+            raise RuntimeError("no tensor for this row")
+        return metadata(states, rows, rows_dev)
+
+    monkeypatch.setattr(runner.sampling, "metadata", fails_with_the_culprit)
+    results = _run_with_bad(tiny_core, good, bad, lambda req: None)
     _check_isolated(tiny_core, results, bad.request_id, [g.request_id for g in good], "sampling")
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 
 from asyncllm.config import (
+    CPU_BATCH_DEFAULTS,
+    CUDA_BATCH_DEFAULTS,
     CacheConfig,
     EngineArgs,
     EngineConfig,
@@ -14,6 +16,7 @@ from asyncllm.config import (
     ParallelConfig,
     SchedulerConfig,
     SchedulingPolicy,
+    default_capture_sizes,
 )
 from asyncllm.model.source import resolve_model_path
 from asyncllm.sample.logits_processor import load_logits_processor_class
@@ -98,16 +101,22 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     model = create_model_config(args)
     if args.attention_backend == "triton" and model.device.type != "cuda":
         raise ValueError(f"attention_backend 'triton' needs a CUDA device, got {model.device}")
+    seqs_default, batched_default = (
+        CUDA_BATCH_DEFAULTS if model.device.type == "cuda" else CPU_BATCH_DEFAULTS
+    )
+    max_num_seqs = args.max_num_seqs or seqs_default
     batched = args.max_num_batched_tokens
     if batched is None:
-        batched = 2048 if args.enable_chunked_prefill else max(2048, model.max_model_len)
+        batched = batched_default
+        if not args.enable_chunked_prefill:
+            batched = max(batched, model.max_model_len)
     elif not args.enable_chunked_prefill and batched < model.max_model_len:
         raise ValueError(
             f"without chunked prefill, max_num_batched_tokens ({batched}) must be at least "
             f"max_model_len ({model.max_model_len})"
         )
     scheduler = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=batched,
         max_model_len=model.max_model_len,
         enable_chunked_prefill=args.enable_chunked_prefill,
@@ -140,4 +149,20 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         max_logprobs=args.max_logprobs,
         attention_backend=args.attention_backend,
+        cudagraph_capture_sizes=_capture_sizes(args, model.device, max_num_seqs),
     )
+
+
+def _capture_sizes(args: EngineArgs, device: torch.device, max_num_seqs: int) -> list[int]:
+    """Decode batch sizes to capture: none on the CPU or with enforce_eager; the given
+    ones (at most max_num_seqs) or the default ladder otherwise."""
+    if device.type != "cuda" or args.enforce_eager:
+        return []
+    if args.cudagraph_capture_sizes is None:
+        return default_capture_sizes(max_num_seqs)
+    if max(args.cudagraph_capture_sizes, default=0) > max_num_seqs:
+        raise ValueError(
+            f"cudagraph_capture_sizes {args.cudagraph_capture_sizes} has a size above "
+            f"max_num_seqs ({max_num_seqs})"
+        )
+    return list(args.cudagraph_capture_sizes)

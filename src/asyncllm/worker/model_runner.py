@@ -1,15 +1,21 @@
-"""Runs one scheduled step: updates the persistent batch, builds inputs with numpy,
-runs the model, computes logits only where needed, samples.
+"""Runs one scheduled step: updates the persistent batch, fills the step buffers with
+numpy, runs the model (a CUDA-graph replay for decode steps that fit a captured size,
+eager otherwise), computes logits only where needed, samples.
 
 Logits are computed for each request's last scheduled token when that token ends
-what is known of the request (a finished prefill or a decode), and for every prompt
-position of requests that asked for prompt logprobs. One LM-head matmul covers both.
+what is known of the request (a finished prefill or a decode), and, in chunks of
+`PROMPT_LOGPROB_CHUNK` rows, for every prompt position of requests that asked for
+prompt logprobs.
+
+Per step nothing allocates a tensor from a Python list: inputs go through the
+preallocated `StepBuffers`, sampling parameters and penalty state live per row on the
+device (`SamplingState`), and the sampled ids come back in one device-to-host copy.
 
 A bad value in one request never fails the step: each new request is checked (and its
 per-request state built) on its own, and one that cannot be taken is dropped from the
-batch and reported in `ModelRunnerOutput.failed`; if building the batch's sampling
-state or sampling still fails, each request is retried alone, and only those that fail
-alone are reported. An error no request can be blamed for propagates (the engine dies).
+batch and reported in `ModelRunnerOutput.failed`; if sampling still fails, each
+request is retried alone, and only those that fail alone are reported. An error no
+request can be blamed for propagates (the engine dies).
 """
 
 from __future__ import annotations
@@ -27,21 +33,17 @@ from asyncllm.model.attention.torch_native import TorchNativeBackend
 from asyncllm.model.interface import CausalLM
 from asyncllm.model.loader import load_model
 from asyncllm.sample.logits_processor import LogitsProcessor, load_logits_processor_class
-from asyncllm.sample.ops import bincount_rows
 from asyncllm.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.step_io import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
+from asyncllm.worker.cuda_graph import DecodeGraphs
 from asyncllm.worker.input_batch import CachedRequestState, InputBatch
+from asyncllm.worker.sampling_state import SamplingState
+from asyncllm.worker.step_buffers import StepBuffers, padded_size
 
 logger = logging.getLogger(__name__)
 
-_SEED_MIX = 0x9E3779B97F4A7C15
-
-
-def step_seed(seed: int, position: int) -> int:
-    """The generator seed of a seeded request at its n-th output token: a function of
-    (seed, n) only, so draws do not depend on batch mates or on preemptions."""
-    return (seed * _SEED_MIX + position * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
+PROMPT_LOGPROB_CHUNK = 512  # rows of prompt-logprob logits computed at once
 
 
 def select_attention_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
@@ -59,17 +61,18 @@ def select_attention_backend(device: torch.device, name: str | None = None) -> A
 
 @dataclass
 class StepInputs:
-    """One step's batch, gathered from the persistent batch with numpy: S requests in
-    the scheduler's order, T tokens back to back."""
+    """One step's batch: S requests in the scheduler's order, T tokens back to back, in
+    the runner's step buffers (padded to `graph_size` tokens and sequences when the step
+    replays a CUDA graph)."""
 
     states: list[CachedRequestState]  # [S]
     rows: np.ndarray  # [S] persistent-batch row of each request
     query_start_loc: np.ndarray  # [S + 1] int32: offset of each request's chunk
-    num_computed: np.ndarray  # [S] int64: tokens in the cache before this step
+    num_computed: np.ndarray  # [S] int32: tokens in the cache before this step
     seq_lens: np.ndarray  # [S] int32: tokens in the cache after this step
-    input_ids: np.ndarray  # [T] int64
-    positions: np.ndarray  # [T] int64
-    attn_metadata: Any  # the backend's, built once and shared by every layer
+    num_tokens: int  # T
+    samples: np.ndarray  # indices (into states) of the requests that sample
+    graph_size: int | None  # the captured batch size this decode step replays, if any
 
 
 @dataclass
@@ -82,16 +85,6 @@ class PromptLogprobRows:
     targets: np.ndarray  # the prompt token that follows each row
 
 
-@dataclass
-class LogitRows:
-    """Rows of the step's hidden states that get logits, in the order of `rows`: first
-    the last token of each sampling request, then each request's prompt-logprob rows."""
-
-    samples: np.ndarray  # batch indices (into StepInputs.states) of the requests that sample
-    prompt: list[PromptLogprobRows]
-    rows: np.ndarray
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -101,12 +94,20 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_model_len = mc.max_model_len
         self.backend = select_attention_backend(self.device, config.attention_backend)
-        self.input_batch = InputBatch(
-            config.scheduler.max_num_seqs,
-            self.max_model_len,
-            -(-self.max_model_len // self.block_size),
-        )
+        sched = config.scheduler
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.input_batch = InputBatch(sched.max_num_seqs, self.max_model_len, max_blocks)
         self.vocab_size = int(mc.hf_config.vocab_size)
+        # Decode batches up to the largest captured size are padded to a captured size
+        # (and replayed as a graph on CUDA once captured).
+        self.capture_sizes = sorted(config.cudagraph_capture_sizes)
+        self.buffers = StepBuffers(
+            max(sched.max_num_batched_tokens, self.capture_sizes[-1] if self.capture_sizes else 0),
+            sched.max_num_seqs,
+            max_blocks,
+            self.device,
+        )
+        self.sampling = SamplingState(sched.max_num_seqs, self.vocab_size, self.device)
         self.processors: list[LogitsProcessor] = [
             load_logits_processor_class(path)(self.vocab_size, self.device)
             for path in config.logits_processors
@@ -114,6 +115,8 @@ class ModelRunner:
         self.sampler = Sampler(self.processors)
         self.model: CausalLM | None = None  # set by load_model, dropped at shutdown
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs: DecodeGraphs | None = None
+        self.graph_logits: torch.Tensor | None = None  # [largest size, vocab] float32
 
     def load_model(self) -> None:
         self.model = load_model(self.config.model, self.backend)
@@ -126,14 +129,130 @@ class ModelRunner:
     def kv_cache_block_bytes(self) -> int:
         return self._loaded_model().kv_cache_spec().block_bytes(self.block_size, self.dtype)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def _kv_cache_tensors(self, num_blocks: int) -> list[torch.Tensor]:
         spec = self._loaded_model().kv_cache_spec()
         shape = self.backend.kv_cache_shape(
             num_blocks, self.block_size, spec.num_kv_heads, spec.head_size
         )
-        self.kv_caches = [
+        return [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)
         ]
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = self._kv_cache_tensors(num_blocks)
+
+    # -- start-up: memory profile and graph capture ----------------------------------
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """Runs a step at the largest shapes, so the caller can read the peak memory:
+        the forward of `max_num_batched_tokens` tokens (sequences of at most
+        `max_model_len`), sampling `max_num_seqs` rows with every transform on, and one
+        prompt-logprob chunk. The KV cache is one scratch block per layer, never written
+        (every slot is -1); the penalty state and the graphs' logits buffer are
+        allocated here for good, so they count as used before the KV cache is sized."""
+        sched = self.config.scheduler
+        T = sched.max_num_batched_tokens
+        lens = [min(self.max_model_len, T - i) for i in range(0, T, self.max_model_len)]
+        lens = lens[: sched.max_num_seqs]
+        T = sum(lens)
+        S = len(lens)
+        buf = self.buffers
+        qsl = buf.query_start_loc.np
+        qsl[0] = 0
+        np.cumsum(lens, out=qsl[1 : S + 1])
+        buf.seq_lens.np[:S] = lens
+        buf.block_table.np[:S] = 0
+        buf.input_ids.np[:T] = 0
+        buf.positions.np[:T] = np.concatenate([np.arange(n) for n in lens])
+        buf.slot_mapping.np[:T] = -1
+        buf.copy_to_device(T, S)
+        scratch = self._kv_cache_tensors(1)
+        model = self._loaded_model()
+        hidden = model(
+            buf.input_ids.device[:T], buf.positions.device[:T], scratch, self._metadata(T, S)
+        )
+        B = min(sched.max_num_seqs, T)
+        logits = model.compute_logits(hidden[:B]).float()
+        self.sampling.allocate_penalty_state()
+        Sampler()(logits, self._worst_case_metadata(B))  # (user processors: not profiled)
+        del logits
+        chunk = hidden[: min(PROMPT_LOGPROB_CHUNK, T)]
+        lp = model.compute_logits(chunk).float().log_softmax(-1)
+        gather_logprobs(lp, torch.zeros(len(chunk), dtype=torch.int64, device=self.device), 20)
+        del lp, hidden, scratch
+        if self.capture_sizes and self.device.type == "cuda" and self.graph_logits is None:
+            shape = (self.capture_sizes[-1], self.vocab_size)
+            self.graph_logits = torch.empty(shape, dtype=torch.float32, device=self.device)
+
+    def _worst_case_metadata(self, B: int) -> SamplingMetadata:
+        dev, V = self.device, self.vocab_size
+        counts = torch.zeros(B, V, dtype=torch.int32, device=dev)
+        return SamplingMetadata(
+            temperature=torch.full((B,), 0.7, device=dev),
+            is_greedy=torch.zeros(B, dtype=torch.bool, device=dev),
+            all_greedy=False,
+            top_k=torch.full((B,), 50, dtype=torch.int64, device=dev),
+            top_p=torch.full((B,), 0.9, device=dev),
+            min_p=torch.full((B,), 0.05, device=dev),
+            repetition_penalty=torch.full((B,), 1.1, device=dev),
+            seen_mask=counts > 0,
+            presence_penalty=torch.full((B,), 0.1, device=dev),
+            frequency_penalty=torch.full((B,), 0.1, device=dev),
+            output_counts=counts,
+            max_num_logprobs=self.config.max_logprobs,
+        )
+
+    @torch.inference_mode()
+    def profile_decode_graph(self) -> None:
+        """An eager decode step at the largest capture size, for the caller to read the
+        peak of: what the graphs' memory pool will hold."""
+        if self.capture_sizes:
+            size = self.capture_sizes[-1]
+            scratch = self._kv_cache_tensors(1)
+            self._inert_decode_batch(size)
+            model = self._loaded_model()
+            hidden = model(
+                self.buffers.input_ids.device[:size],
+                self.buffers.positions.device[:size],
+                scratch,
+                self._metadata(size, size),
+            )
+            model.compute_logits(hidden).float()
+
+    def _inert_decode_batch(self, size: int) -> None:
+        """A decode batch of `size` one-token sequences that writes nothing."""
+        buf = self.buffers
+        buf.query_start_loc.np[: size + 1] = np.arange(size + 1)
+        buf.seq_lens.np[:size] = 1
+        buf.block_table.np[:size] = 0
+        buf.input_ids.np[:size] = 0
+        buf.positions.np[:size] = 0
+        buf.slot_mapping.np[:size] = -1
+        buf.copy_to_device(size, size)
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> DecodeGraphs | None:
+        """Captures the decode graphs (after the KV cache exists: they bake in its
+        addresses). Nothing is written to the cache, and no random stream is used."""
+        if not self.capture_sizes or self.device.type != "cuda":
+            return None
+        if self.graph_logits is None:
+            raise RuntimeError("profile_run() allocates the graphs' logits: run it first")
+        model, out = self._loaded_model(), self.graph_logits
+
+        def forward(size: int) -> None:
+            hidden = model(
+                self.buffers.input_ids.device[:size],
+                self.buffers.positions.device[:size],
+                self.kv_caches,
+                self._metadata(size, size),
+            )
+            out[:size].copy_(model.compute_logits(hidden))
+
+        self.graphs = DecodeGraphs(self.capture_sizes)
+        self.graphs.capture(self._inert_decode_batch, forward)
+        return self.graphs
 
     # -- the step ------------------------------------------------------------------
 
@@ -146,13 +265,13 @@ class ModelRunner:
         if not scheduled:
             return ModelRunnerOutput(sampled_token_ids={}, failed=failed)
         inputs = self._prepare_inputs(scheduled)
-        hidden = self._run_model(inputs)
-        # Picked before sampling appends tokens: whether a request samples, and whether it
-        # still owes prompt logprobs, depend on the tokens it had when the step began.
-        picks = self._pick_logit_rows(inputs)
-        logits = self._compute_logits(hidden, picks)
-        sampled, logprobs, sample_failed = self._sample(inputs, picks, logits)
-        prompt_logprobs = self._prompt_logprobs(picks, logits)
+        # Picked before sampling appends tokens: whether a request still owes prompt
+        # logprobs depends on the tokens it had when the step began.
+        prompt_rows = self._prompt_logprob_rows(inputs)
+        hidden, logits = self._run_model(inputs, prompt_rows)
+        sampled, logprobs, sample_failed = self._sample(inputs, logits)
+        del logits
+        prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)
         self.input_batch.num_computed_tokens[inputs.rows] = inputs.seq_lens  # now cached
         for rid in sample_failed:
             self._drop(rid)
@@ -198,8 +317,8 @@ class ModelRunner:
         return failed
 
     def _add_request(self, new: NewRequestData) -> None:
-        """Adds a new (or resumed) request to the persistent batch and the logits
-        processors; raises, leaving no trace of it, if anything of it is bad."""
+        """Adds a new (or resumed) request to the persistent batch, its sampling row and
+        the logits processors; raises, leaving no trace of it, if anything of it is bad."""
         self._check_new_request(new)
         gen = None
         if new.sampling_params.seed is not None:
@@ -218,6 +337,9 @@ class ModelRunner:
         )
         added: list[LogitsProcessor] = []
         try:
+            self.sampling.add(
+                state.row, new.sampling_params, state.prompt_token_ids, state.output_token_ids
+            )
             for p in self.processors:
                 p.add_request(
                     state.row, new.sampling_params, state.prompt_token_ids, state.output_token_ids
@@ -258,64 +380,114 @@ class ModelRunner:
             raise ValueError(f"num_computed_tokens {new.num_computed_tokens} is out of range")
 
     def _prepare_inputs(self, scheduled: dict[str, int]) -> StepInputs:
-        """The step's flat batch (`scheduled`: request id -> tokens, in batch order) with
-        vectorised gathers from the persistent arrays (no per-token Python), and the
-        attention metadata every layer shares."""
-        batch = self.input_batch
+        """Fills the step buffers (`scheduled`: request id -> tokens, in batch order)
+        with vectorised gathers from the persistent arrays, pads a decode step to its
+        captured size, and queues the copies to the device."""
+        batch, buf = self.input_batch, self.buffers
         states = [batch.requests[r] for r in scheduled]
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        n = np.fromiter(scheduled.values(), dtype=np.int32, count=len(states))
-        qsl = np.zeros(len(n) + 1, dtype=np.int32)
+        S = len(states)
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=S)
+        n = np.fromiter(scheduled.values(), dtype=np.int32, count=S)
+        qsl = buf.query_start_loc.np[: S + 1]
+        qsl[0] = 0
         np.cumsum(n, out=qsl[1:])
-        computed = batch.num_computed_tokens[rows].astype(np.int64)
-        tok_req = np.repeat(np.arange(len(n)), n)  # each token's request
-        pos = computed[tok_req] + (np.arange(qsl[-1]) - qsl[:-1][tok_req])
-        tok_rows = rows[tok_req]
+        T = int(qsl[S])
+        computed = batch.num_computed_tokens[rows]
+        seq_lens = buf.seq_lens.np[:S]
+        np.add(computed, n, out=seq_lens)
+        if T == S:  # one token each: a decode step (or one-token chunks)
+            tok_rows, pos = rows, computed.astype(np.int64)
+        else:
+            tok_req = np.repeat(np.arange(S), n)  # each token's request
+            pos = computed[tok_req] + (np.arange(T) - qsl[:-1][tok_req])
+            tok_rows = rows[tok_req]
         bs = self.block_size
-        slots = batch.block_table[tok_rows, pos // bs].astype(np.int64) * bs + pos % bs
-        seq_lens = (computed + n).astype(np.int32)
-        width = int(-(-seq_lens.max() // bs))  # block-table columns the longest one needs
-        common = CommonAttentionMetadata.from_numpy(
-            qsl, seq_lens, batch.block_table[rows, :width], slots, self.device
-        )
+        buf.positions.np[:T] = pos
+        buf.input_ids.np[:T] = batch.token_ids[tok_rows, pos]
+        buf.slot_mapping.np[:T] = batch.block_table[tok_rows, pos // bs] * bs + pos % bs
+        np.take(batch.block_table, rows, axis=0, out=buf.block_table.np[:S])
+        samples = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
+        graph_size = None
+        if T == S and len(samples) == S and self.capture_sizes:
+            graph_size = padded_size(S, self.capture_sizes)
+        if graph_size is not None:
+            buf.pad(T, S, graph_size, graph_size)
+            buf.copy_to_device(graph_size, graph_size)
+        else:
+            buf.copy_to_device(T, S)
         return StepInputs(
             states=states,
             rows=rows,
             query_start_loc=qsl,
             num_computed=computed,
             seq_lens=seq_lens,
-            input_ids=batch.token_ids[tok_rows, pos],
-            positions=pos,
-            attn_metadata=self.backend.build_metadata(common, bs),
+            num_tokens=T,
+            samples=samples,
+            graph_size=graph_size,
         )
 
-    def _run_model(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states [T, hidden]; writes the step's K/V into the cache."""
-        return self._loaded_model()(
-            torch.from_numpy(inputs.input_ids).to(self.device, non_blocking=True),
-            torch.from_numpy(inputs.positions).to(self.device, non_blocking=True),
+    def _metadata(self, T: int, S: int) -> Any:
+        """The backend's attention metadata over the first T tokens and S sequences of
+        the step buffers (already on the device)."""
+        buf = self.buffers
+        qsl = buf.query_start_loc.np[: S + 1]
+        seq_lens = buf.seq_lens.np[:S]
+        common = CommonAttentionMetadata(
+            query_start_loc=buf.query_start_loc.device[: S + 1],
+            seq_lens=buf.seq_lens.device[:S],
+            block_table=buf.block_table.device[:S],
+            slot_mapping=buf.slot_mapping.device[:T],
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            num_actual_tokens=int(qsl[-1]),
+            max_query_len=int(np.diff(qsl).max()) if S else 0,
+            max_seq_len=int(seq_lens.max()) if S else 0,
+        )
+        return self.backend.build_metadata(common, self.block_size)
+
+    def _run_model(
+        self, inputs: StepInputs, prompt_rows: list[PromptLogprobRows]
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(hidden states [T, hidden] or None after a graph replay, float32 logits of
+        the sampling requests in batch order); writes the step's K/V into the cache."""
+        size, S = inputs.graph_size, len(inputs.states)
+        model = self._loaded_model()
+        if size is not None and self.graphs is not None and not prompt_rows:
+            assert self.graph_logits is not None
+            self.graphs.replay(size)
+            return None, self.graph_logits[:S]
+        T = size or inputs.num_tokens  # padded on the CPU too, to test the padding
+        hidden = model(
+            self.buffers.input_ids.device[:T],
+            self.buffers.positions.device[:T],
             self.kv_caches,
-            inputs.attn_metadata,
+            self._metadata(T, size or S),
         )
+        if not len(inputs.samples):
+            return hidden, hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
+        if len(inputs.samples) == T:
+            last = hidden
+        else:
+            sample_rows = inputs.query_start_loc[1:][inputs.samples] - 1
+            index = self.buffers.sample_rows
+            index.np[: len(sample_rows)] = sample_rows
+            last = hidden.index_select(0, index.copy_to_device(len(sample_rows)))
+        return hidden, model.compute_logits(last).float()[: len(inputs.samples)]
 
-    def _pick_logit_rows(self, inputs: StepInputs) -> LogitRows:
-        """A request samples when this step reaches the end of what is known of it (a
-        finished prefill, or a decode); a partial prefill chunk does not. A request that
-        asked for prompt logprobs gets them for the prompt positions of its chunk (each
-        predicts the next prompt token), unless it is resuming after a preemption."""
-        states, qsl = inputs.states, inputs.query_start_loc
-        num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
-        samples = np.nonzero(inputs.seq_lens >= num_tokens)[0]
-        sample_rows = qsl[1:][samples] - 1
-        prompt: list[PromptLogprobRows] = []
-        for i, s in enumerate(states):
+    def _prompt_logprob_rows(self, inputs: StepInputs) -> list[PromptLogprobRows]:
+        """A request that asked for prompt logprobs gets them for the prompt positions
+        of its chunk (each predicts the next prompt token), unless it is resuming after
+        a preemption."""
+        qsl = inputs.query_start_loc
+        out: list[PromptLogprobRows] = []
+        for i, s in enumerate(inputs.states):
             want = s.sampling_params.prompt_logprobs
             if want is None or s.output_token_ids:
                 continue  # (resumed after preemption: its prompt logprobs went out already)
             p_len = len(s.prompt_token_ids)
             start, end = int(inputs.num_computed[i]), int(min(inputs.seq_lens[i], p_len - 1))
             if end > start:
-                prompt.append(
+                out.append(
                     PromptLogprobRows(
                         s.req_id,
                         want,
@@ -323,35 +495,41 @@ class ModelRunner:
                         self.input_batch.token_ids[s.row, start + 1 : end + 1],
                     )
                 )
-        rows = np.concatenate([sample_rows] + [p.rows for p in prompt])
-        return LogitRows(samples, prompt, rows)
-
-    def _compute_logits(self, hidden: torch.Tensor, picks: LogitRows) -> torch.Tensor:
-        """Float32 logits of the picked rows only: one LM-head matmul covers sampling and
-        prompt logprobs, and rows nobody reads are never projected."""
-        rows = torch.from_numpy(picks.rows).to(self.device)
-        return self._loaded_model().compute_logits(hidden.index_select(0, rows)).float()
+        return out
 
     def _sample(
-        self, inputs: StepInputs, picks: LogitRows, logits: torch.Tensor
+        self, inputs: StepInputs, logits: torch.Tensor
     ) -> tuple[dict[str, list[int]], dict[str, TokenLogprobs], dict[str, str]]:
-        """One token per sampling request (the first rows of `logits`), appended to the
-        persistent batch; with its logprobs where asked. If the batch cannot be sampled,
-        each request is sampled alone: those that fail alone are returned (request id ->
-        why) and get nothing; if all of them fail, the error is the step's and is raised."""
+        """One token per sampling request (row k of `logits` is `inputs.samples[k]`),
+        appended to the persistent batch; with its logprobs where asked. If the batch
+        cannot be sampled, each request is sampled alone: those that fail alone are
+        returned (request id -> why) and get nothing; if all of them fail, the error is
+        the step's and is raised."""
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, TokenLogprobs] = {}
         failed: dict[str, str] = {}
-        if not len(picks.samples):
+        if not len(inputs.samples):
             return sampled, logprobs, failed
-        states = [inputs.states[i] for i in picks.samples]
+        states = [inputs.states[i] for i in inputs.samples]
+        rows = inputs.rows[inputs.samples]
         try:
-            results = [(states, self._sample_rows(states, logits[: len(states)]))]
+            index = self.buffers.sample_rows
+            index.np[: len(rows)] = rows
+            results = [
+                (states, self._sample_rows(states, rows, index.copy_to_device(len(rows)), logits))
+            ]
         except Exception as batch_error:
             results = []
             for k, state in enumerate(states):
+                one = rows[k : k + 1]
                 try:
-                    results.append(([state], self._sample_rows([state], logits[k : k + 1].clone())))
+                    one_dev = torch.from_numpy(one).to(self.device)
+                    results.append(
+                        (
+                            [state],
+                            self._sample_rows([state], one, one_dev, logits[k : k + 1].clone()),
+                        )
+                    )
                 except Exception as e:  # noqa: BLE001 (tried alone: this request's fault)
                     failed[state.req_id] = f"sampling failed: {type(e).__name__}: {e}"
             if not results:
@@ -371,12 +549,20 @@ class ModelRunner:
         return sampled, logprobs, failed
 
     def _sample_rows(
-        self, states: list[CachedRequestState], logits: torch.Tensor
+        self,
+        states: list[CachedRequestState],
+        rows: np.ndarray,
+        rows_dev: torch.Tensor,
+        logits: torch.Tensor,
     ) -> tuple[list[int], tuple[list, list, list] | None]:
-        """Samples one token for each of `states` (row i of `logits`): the tokens, and
-        (ids, logprobs, ranks) lists if any of them wants logprobs."""
-        result = self.sampler(logits, self._sampling_metadata(states))
-        tokens = result.token_ids.tolist()
+        """Samples one token for each of `states` (persistent rows `rows`, row i of
+        `logits`): the tokens, and (ids, logprobs, ranks) lists if any wants logprobs."""
+        md = self.sampling.metadata(states, rows, rows_dev)
+        if self.processors:
+            md.rows = rows.tolist()
+        result = self.sampler(logits, md)
+        self.sampling.record_sampled(rows, rows_dev, result.token_ids)
+        tokens = result.token_ids.tolist()  # the step's one device-to-host wait
         top = None
         if result.logprobs is not None:
             assert result.logprob_token_ids is not None and result.ranks is not None
@@ -387,66 +573,27 @@ class ModelRunner:
             )
         return tokens, top
 
-    def _prompt_logprobs(self, picks: LogitRows, logits: torch.Tensor) -> dict[str, TokenLogprobs]:
-        """Per request, the logprob and rank of each next prompt token, with the top-n."""
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor | None, prompt_rows: list[PromptLogprobRows]
+    ) -> dict[str, TokenLogprobs]:
+        """Per request, the logprob and rank of each next prompt token, with the top-n;
+        logits in chunks of PROMPT_LOGPROB_CHUNK rows."""
         out: dict[str, TokenLogprobs] = {}
-        offset = len(picks.samples)
-        for p in picks.prompt:
-            chunk = logits[offset : offset + len(p.rows)]
-            offset += len(p.rows)
-            ids, lps, ranks = gather_logprobs(
-                chunk.log_softmax(-1), torch.from_numpy(p.targets).to(self.device), p.num_logprobs
-            )
-            out[p.req_id] = TokenLogprobs(ids.tolist(), lps.tolist(), ranks.tolist())
+        if not prompt_rows:
+            return out
+        assert hidden is not None  # (steps with prompt logprobs run eager)
+        model = self._loaded_model()
+        for p in prompt_rows:
+            ids: list = []
+            lps: list = []
+            ranks: list = []
+            for a in range(0, len(p.rows), PROMPT_LOGPROB_CHUNK):
+                rows = torch.from_numpy(p.rows[a : a + PROMPT_LOGPROB_CHUNK]).to(self.device)
+                targets = torch.from_numpy(p.targets[a : a + PROMPT_LOGPROB_CHUNK]).to(self.device)
+                logits = model.compute_logits(hidden.index_select(0, rows)).float()
+                i, lp, r = gather_logprobs(logits.log_softmax(-1), targets, p.num_logprobs)
+                ids += i.tolist()
+                lps += lp.tolist()
+                ranks += r.tolist()
+            out[p.req_id] = TokenLogprobs(ids, lps, ranks)
         return out
-
-    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
-        dev, V = self.device, self.vocab_size
-        params = [s.sampling_params for s in states]
-        greedy = [p.is_greedy for p in params]
-        md = SamplingMetadata(
-            temperature=torch.tensor(
-                [1.0 if g else p.temperature for p, g in zip(params, greedy)], device=dev
-            ),
-            is_greedy=torch.tensor(greedy, device=dev),
-            all_greedy=all(greedy),
-            rows=[s.row for s in states],
-        )
-        random = [not g for g in greedy]
-        if any(p.top_k > 0 for p, r in zip(params, random) if r):
-            md.top_k = torch.tensor([p.top_k for p in params], device=dev)
-        if any(p.top_p < 1 for p, r in zip(params, random) if r):
-            md.top_p = torch.tensor([p.top_p for p in params], device=dev)
-        if any(p.min_p > 0 for p, r in zip(params, random) if r):
-            md.min_p = torch.tensor([p.min_p for p in params], device=dev)
-        for i, (s, r) in enumerate(zip(states, random)):
-            seed = s.sampling_params.seed
-            if r and s.generator is not None and seed is not None:
-                s.generator.manual_seed(step_seed(seed, len(s.output_token_ids)))
-                md.generators[i] = s.generator
-        if any(p.repetition_penalty != 1.0 for p in params):
-            seen = (
-                bincount_rows([s.prompt_token_ids + s.output_token_ids for s in states], V, dev) > 0
-            )
-            md.seen_mask = seen
-            md.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=dev)
-        if any(p.presence_penalty or p.frequency_penalty for p in params):
-            md.output_counts = bincount_rows([s.output_token_ids for s in states], V, dev)
-            md.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=dev)
-            md.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=dev)
-        if any(p.logit_bias for p in params):
-            bias = torch.zeros(len(states), V)
-            for i, p in enumerate(params):
-                for tok, b in (p.logit_bias or {}).items():
-                    bias[i, tok] = b
-            md.logit_bias = bias.to(dev)
-        for i, (s, p) in enumerate(zip(states, params)):
-            if len(s.output_token_ids) < p.min_tokens:
-                blocked = list(p.stop_token_ids or ())
-                if s.eos_token_id is not None and not p.ignore_eos and 0 <= s.eos_token_id < V:
-                    blocked.append(s.eos_token_id)  # (an id past the vocabulary is never drawn)
-                if blocked:
-                    md.blocked_tokens.append((i, blocked))
-        want = [p.logprobs for p in params if p.logprobs is not None]
-        md.max_num_logprobs = max(want) if want else None
-        return md

@@ -1,9 +1,20 @@
-"""A worker owns one device: it loads the model, sizes and allocates the KV cache,
-and runs steps through its model runner."""
+"""A worker owns one device: it loads the model, profiles a step's memory, sizes and
+allocates the KV cache, captures the CUDA graphs, and runs steps through its model runner.
+
+KV cache size on CUDA (unless `num_gpu_blocks_override` or `kv_cache_memory_bytes` fix
+it): `gpu_memory_utilization` x total memory, minus what is in use once the model is
+loaded and the profile's persistent buffers exist (weights, CUDA context, other
+processes), minus the activation peak of a profiling step at the largest shapes, minus
+the estimated CUDA-graph pool (the peak of an eager decode step at the largest capture
+size; estimated before the KV cache exists because graphs bake in its addresses, and
+checked after capture). Never more than is free now.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,6 +23,28 @@ from asyncllm.step_io import ModelRunnerOutput, SchedulerOutput
 from asyncllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+GRAPH_POOL_SLACK = 128 << 20  # allocator rounding on top of the graph estimate
+GRAPH_EXEC_BYTES = 2 << 20  # device memory of one instantiated graph (kernel parameters)
+FREE_MARGIN = 512 << 20  # never take the last of the free memory
+
+
+@dataclass
+class StartupReport:
+    """What start-up measured (bytes and seconds); logged, and read by benchmarks."""
+
+    seconds: dict[str, float] = field(default_factory=dict)  # stage -> time
+    weights_bytes: int = 0
+    activation_peak_bytes: int = 0
+    graph_estimate_bytes: int = 0
+    graph_bytes: int = 0
+    num_blocks: int = 0
+    kv_cache_bytes: int = 0
+    max_concurrency: float = 0.0  # requests of max_model_len tokens the cache holds
+
+
+class GraphMemoryError(RuntimeError):
+    pass
 
 
 class Worker:
@@ -22,32 +55,29 @@ class Worker:
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.model.seed)
         self.runner = ModelRunner(config)
+        self.report = StartupReport()
 
     def load_model(self) -> None:
+        t0 = time.monotonic()
         self.runner.load_model()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.report.weights_bytes = torch.cuda.memory_allocated(self.device)
+        self.report.seconds["load weights"] = time.monotonic() - t0
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
         block_bytes = self.runner.kv_cache_block_bytes()
+        if self.device.type == "cuda":
+            budget = self._profile_cuda_memory()
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
         if cache.num_gpu_blocks_override is not None:
             num_blocks = cache.num_gpu_blocks_override
         elif cache.kv_cache_memory_bytes is not None:
             num_blocks = cache.kv_cache_memory_bytes // block_bytes
-        elif self.device.type == "cuda":
-            # This engine may use gpu_memory_utilization of the card, weights included, and
-            # never more than is free now (other processes may share the GPU).
-            free, total = torch.cuda.mem_get_info(self.device)
-            own = torch.cuda.memory_reserved(self.device)
-            budget = min(cache.gpu_memory_utilization * total - own, free - (1 << 30))
-            # Headroom for activations of the largest batch (logits dominate at small models).
-            sched = self.config.scheduler
-            hidden = self.config.model.hf_config.hidden_size
-            activations = (
-                sched.max_num_batched_tokens * (4 * hidden + 4 * self.runner.vocab_size // 8) * 4
-            )
-            num_blocks = int(max(budget - activations, 0) // block_bytes)
         else:
-            num_blocks = DEFAULT_CPU_KV_CACHE_BYTES // block_bytes
+            num_blocks = int(max(budget, 0) // block_bytes)
         needed = -(-self.config.model.max_model_len // cache.block_size)
         if num_blocks < needed:
             raise ValueError(
@@ -55,22 +85,83 @@ class Worker:
                 f"request of max_model_len={self.config.model.max_model_len} tokens needs {needed}: "
                 "give the cache more memory or lower max_model_len"
             )
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
-            num_blocks,
-            cache.block_size,
-            num_blocks * block_bytes / 2**20,
-        )
+        r = self.report
+        r.num_blocks = num_blocks
+        r.kv_cache_bytes = num_blocks * block_bytes
+        r.max_concurrency = num_blocks / needed
         return num_blocks
 
+    def _profile_cuda_memory(self) -> int:
+        """Bytes the KV cache may take (see the module docstring)."""
+        t0 = time.monotonic()
+        dev, r = self.device, self.report
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        self.runner.profile_run()
+        torch.cuda.synchronize(dev)
+        after = torch.cuda.memory_allocated(dev)  # + penalty state and graph logits, kept
+        r.activation_peak_bytes = torch.cuda.max_memory_allocated(dev) - after
+        if self.runner.capture_sizes:
+            torch.cuda.reset_peak_memory_stats(dev)
+            self.runner.profile_decode_graph()
+            torch.cuda.synchronize(dev)
+            r.graph_estimate_bytes = torch.cuda.max_memory_allocated(dev) - after
+            r.graph_estimate_bytes += GRAPH_EXEC_BYTES * len(self.runner.capture_sizes)
+        torch.cuda.empty_cache()
+        r.seconds["memory profile"] = time.monotonic() - t0
+        free, total = torch.cuda.mem_get_info(dev)
+        in_use = total - free  # weights, kept buffers, CUDA context, other processes
+        util = self.config.cache.gpu_memory_utilization
+        budget = util * total - in_use - r.activation_peak_bytes - r.graph_estimate_bytes
+        budget = min(budget, free - r.activation_peak_bytes - r.graph_estimate_bytes - FREE_MARGIN)
+        logger.info(
+            "memory: weights %.2f GiB, activation peak %.2f GiB, CUDA graphs (estimated) "
+            "%.2f GiB, in use %.2f of %.2f GiB; the KV cache may take %.2f GiB",
+            r.weights_bytes / 2**30,
+            r.activation_peak_bytes / 2**30,
+            r.graph_estimate_bytes / 2**30,
+            in_use / 2**30,
+            total / 2**30,
+            max(budget, 0) / 2**30,
+        )
+        return int(budget)
+
     def initialize_cache(self, num_blocks: int) -> None:
+        t0 = time.monotonic()
         self.runner.initialize_kv_cache(num_blocks)
+        self.report.seconds["allocate KV cache"] = time.monotonic() - t0
+        graphs = self.runner.capture_cuda_graphs()
+        r = self.report
+        if graphs is not None:
+            r.seconds["capture CUDA graphs"] = graphs.capture_seconds
+            r.graph_bytes = graphs.pool_bytes
+            if graphs.pool_bytes > r.graph_estimate_bytes + GRAPH_POOL_SLACK:
+                raise GraphMemoryError(
+                    f"the CUDA graphs took {graphs.pool_bytes / 2**20:.0f} MiB, more than the "
+                    f"{(r.graph_estimate_bytes + GRAPH_POOL_SLACK) / 2**20:.0f} MiB estimated "
+                    "before the KV cache was sized: lower gpu_memory_utilization, capture fewer "
+                    "sizes (cudagraph_capture_sizes) or set enforce_eager=True"
+                )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB), %.1f requests of max_model_len=%d "
+            "at once; start-up: %s",
+            r.num_blocks,
+            self.config.cache.block_size,
+            r.kv_cache_bytes / 2**30,
+            r.max_concurrency,
+            self.config.model.max_model_len,
+            ", ".join(f"{k} {v:.1f} s" for k, v in r.seconds.items()),
+        )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
-        """Releases the KV cache and the model (device memory goes back at once)."""
+        """Releases the graphs, the KV cache and the model (device memory goes back at
+        once)."""
+        self.runner.graphs = None
+        self.runner.graph_logits = None
         self.runner.kv_caches = []
         self.runner.model = None
         if self.device.type == "cuda":

@@ -133,5 +133,7 @@ class TorchNativeBackend(AttentionBackend):
             scores = torch.tanh(scores / cap) * cap
             scores = scores.masked_fill(~mask, float("-inf"))
             out = torch.matmul(scores.softmax(dim=-1).to(vals.dtype), vals)
-        out = out.transpose(1, 2).reshape(S * Lq, Hq, D)
-        return out.index_select(0, md.query_rows)
+        out = out.transpose(1, 2).reshape(S * Lq, Hq, D).index_select(0, md.query_rows)
+        if q.shape[0] > T:  # padding tokens (a padded decode batch): zeros
+            out = torch.cat([out, out.new_zeros(q.shape[0] - T, Hq, D)])
+        return out

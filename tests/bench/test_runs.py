@@ -1,0 +1,82 @@
+"""Each benchmark end to end on the CPU: a tiny config-only model with dummy weights,
+token-id prompts, no tokenizer, a few requests."""
+
+from __future__ import annotations
+
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+
+from asyncllm.bench import latency, serving, throughput
+from asyncllm.bench.common import check_output_tokens, make_workload, workload_from_args
+
+ROOT = Path(__file__).resolve().parents[2]
+
+WORKLOAD = ["--max-input-len", "48", "--max-output-len", "24"]
+
+
+def last_json_line(capsys) -> dict:
+    out = capsys.readouterr().out
+    lines = out.strip().splitlines()
+    assert len(lines) >= 3  # a title, a table, the JSON line
+    return json.loads(lines[-1])
+
+
+def test_throughput(capsys, engine_flags):
+    result = throughput.main([*engine_flags, "--num-prompts", "6", *WORKLOAD])
+    assert last_json_line(capsys) == result
+    prompts, max_tokens = make_workload(6, max_input_len=48, max_output_len=24)
+    assert result["benchmark"] == "throughput" and result["num_prompts"] == 6
+    assert result["output_tokens"] == sum(max_tokens)
+    assert result["prompt_tokens"] == sum(map(len, prompts))
+    assert result["output_tok_s"] > 0 and result["total_tok_s"] > result["output_tok_s"]
+    engine = result["engine"]
+    assert engine["dtype"] == "float32" and engine["device"] == "cpu"
+    assert (engine["max_model_len"], engine["max_num_seqs"]) == (4096, 256)
+    assert engine["max_num_batched_tokens"] == 16384
+
+
+def test_latency(capsys, engine_flags):
+    args = ["--input-len", "16", "--output-len", "8", "--iters", "2", "--hbm-bandwidth", "1e10"]
+    result = latency.main([*engine_flags, *args])
+    assert last_json_line(capsys) == result
+    assert result["benchmark"] == "latency" and result["output_len"] == 8
+    assert result["tok_s"] > 0 and result["prefill_ms"] > 0 and len(result["wall_s_all"]) == 2
+    assert result["tok_s"] == pytest.approx(8 / result["wall_s"], rel=1e-4)
+    floor = result["floor"]
+    # Untied: everything but the 10240 x 64 embedding table, in float32.
+    assert result["parameters"] == result["streamed_parameters"] + 10240 * 64
+    assert floor["weight_bytes"] == result["streamed_parameters"] * 4
+    assert floor["kv_bytes"] == (16 + 4) * 2 * 2 * 2 * 16 * 4
+    assert floor["floor_tok_s"] == pytest.approx(1e10 / floor["bytes_per_step"], rel=1e-4)
+    assert result["engine"]["max_num_seqs"] == 128  # the engine's default: flags not set
+
+
+def test_serving(capsys, engine_flags):
+    result = serving.main([*engine_flags, "--num-requests", "6", *WORKLOAD, "--rates", "100"])
+    assert last_json_line(capsys) == result
+    (row,) = result["rates"]
+    _, max_tokens = workload_from_args(
+        serving.parse_args([*engine_flags, "--num-requests", "6", *WORKLOAD]), 6
+    )
+    assert row["rate"] == 100 and row["num_requests"] == 6
+    assert row["output_tokens"] == result["output_tokens_per_rate"] == sum(max_tokens)
+    for key in ("request_throughput", "output_tok_s", "ttft_ms_p50", "ttft_ms_p99"):
+        assert row[key] > 0, key
+    assert 0 < row["tpot_ms_p50"] <= row["tpot_ms_p99"]
+    assert row["ttft_ms_p50"] <= row["e2e_ms_p50"]
+
+
+def test_a_wrong_token_count_is_caught():
+    with pytest.raises(AssertionError, match="produced 133965 .* asked for 133966"):
+        check_output_tokens(133_965, 133_966)
+
+
+def test_the_hf_baseline_has_help(capsys):
+    module = runpy.run_path(str(ROOT / "benchmarks" / "hf_baseline.py"))
+    with pytest.raises(SystemExit) as exit_info:
+        module["main"](["--help"])
+    assert exit_info.value.code == 0
+    assert "--batch-size" in capsys.readouterr().out
