@@ -80,3 +80,21 @@ def test_the_hf_baseline_has_help(capsys):
         module["main"](["--help"])
     assert exit_info.value.code == 0
     assert "--batch-size" in capsys.readouterr().out
+
+
+def test_step_profile(capsys, engine_flags, tmp_path):
+    from asyncllm.bench import step_profile
+
+    stats = tmp_path / "steps.prof"
+    args = ["--batch", "1", "3", "--input-len", "8", "--steps", "5", "--cprofile", str(stats)]
+    result = step_profile.main([*engine_flags, *args])
+    assert last_json_line(capsys) == result
+    assert [r["batch"] for r in result["rows"]] == [1, 3]
+    for r in result["rows"]:
+        stages = [r[s] for s in step_profile.STAGES]
+        assert all(t > 0 for t in stages), r
+        assert r["step"] == pytest.approx(sum(stages) + r["other"])
+        assert r["gpu"] is None and r["graphs"] is False  # (the CPU: no kernels, no graphs)
+    import pstats
+
+    assert pstats.Stats(str(stats)).total_calls > 0

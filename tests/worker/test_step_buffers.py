@@ -60,7 +60,23 @@ def test_padding_is_inert():
     assert buf.slot_mapping.np[:8].tolist() == [99, 99, 99, -1, -1, -1, -1, -1]
     assert (buf.block_table.np[3:8] == 0).all() and (buf.block_table.np[:3] == 3).all()
     # On the CPU the device twin is the host buffer: nothing to copy, no second copy.
-    assert buf.seq_lens.copy_to_device(8).data_ptr() == buf.seq_lens.cpu.data_ptr()
+    assert buf.seq_lens.device.data_ptr() == buf.seq_lens.cpu.data_ptr()
+    assert buf.block_table.copy_to_device(8).data_ptr() == buf.block_table.cpu.data_ptr()
+
+
+def test_the_arena_views_are_disjoint_and_aligned():
+    """The per-token and per-sequence arrays share one arena (one copy per step): each
+    is 8-byte aligned, and writing one leaves every other as it was."""
+    buf = StepBuffers(13, 5, 4, torch.device("cpu"))
+    views = [buf.input_ids, buf.positions, buf.slot_mapping, buf.query_start_loc, buf.seq_lens]
+    assert [v.np.shape[0] for v in views] == [13, 13, 13, 6, 5]
+    for i, v in enumerate(views):
+        assert v.cpu.data_ptr() % 8 == 0
+        v.np[:] = i + 1
+    for i, v in enumerate(views):
+        assert (v.np == i + 1).all(), i
+    end = max(v.cpu.data_ptr() + v.cpu.nbytes for v in views)
+    assert end <= buf.host_arena.data_ptr() + buf.host_arena.nbytes
 
 
 # -- padded steps through the real runner (a tiny random Llama, torch attention) ------

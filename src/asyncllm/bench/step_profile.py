@@ -10,8 +10,14 @@ stages are wall times of the engine's own functions (wrapped, not changed):
 - sample: sampling, including the wait for the device to finish the step
 - update: the scheduler taking the step's tokens (`update_from_output`)
 - frontend: turning core outputs into `RequestOutput`s (`Frontend.process_outputs`)
+- other: the rest of `LLMEngine.step` (the core's bookkeeping, output objects)
 
-GPU time is the sum of the step's kernel times from a `torch.profiler` trace (CUDA only).
+The stages are timed without a profiler; a second run of as many steps under
+`torch.profiler` gives the device side (CUDA only, read from its Chrome trace): `gpu`,
+the sum of the step's kernel times; `gpu_busy`, the union of their intervals (kernels that overlap count once);
+the kernels that take most of it; and `replay`, one replay of the step's decode graph
+alone between CUDA events (launch gaps included). `--cprofile FILE` writes Python-level
+stats of the timed steps, `--trace-dir DIR` each batch's Chrome trace.
 
     python -m asyncllm.bench.step_profile --model benchmarks/configs/qwen3-0.6b \
         --load-format dummy --skip-tokenizer-init --dtype bfloat16 --batch 1 256
@@ -20,9 +26,12 @@ GPU time is the sum of the step's kernel times from a `torch.profiler` trace (CU
 from __future__ import annotations
 
 import argparse
+import cProfile
+import dataclasses
 import functools
 import json
 import random
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -30,6 +39,7 @@ from typing import Any
 
 from asyncllm.bench.common import add_engine_args, engine_kwargs
 
+STEP_MARK = "asyncllm.step"
 STAGES = ("schedule", "prepare", "forward", "sample", "update", "frontend")
 
 
@@ -47,7 +57,48 @@ def _wrap(obj: Any, name: str, stage: str, times: dict[str, float]) -> None:
     setattr(obj, name, timed)
 
 
-def profile_batch(llm: Any, batch: int, input_len: int, steps: int, seed: int) -> dict[str, Any]:
+def _union_length(spans: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) intervals: the time the device was busy."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _time_replay(runner: Any, batch: int) -> float | None:
+    """µs of one replay of the batch's decode graph alone, between CUDA events (median
+    of 20). The step buffers still hold the last step's inputs, so each replay rewrites
+    the same K/V into the same slots: nothing changes."""
+    import statistics
+
+    import torch
+
+    from asyncllm.worker.step_buffers import padded_size
+
+    if runner.graphs is None or (size := padded_size(batch, runner.capture_sizes)) is None:
+        return None
+    times = []
+    for _ in range(21):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        runner.graphs.replay(size)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times[1:])
+
+
+def profile_batch(
+    llm: Any,
+    batch: int,
+    input_len: int,
+    steps: int,
+    seed: int,
+    cprofile: Any = None,
+    trace_dir: str | None = None,
+) -> dict[str, Any]:
     import torch
 
     from asyncllm import SamplingParams
@@ -75,28 +126,54 @@ def profile_batch(llm: Any, batch: int, input_len: int, steps: int, seed: int) -
     _wrap(runner, "_sample", "sample", times)
     _wrap(engine.frontend, "process_outputs", "frontend", times)
     cuda = runner.device.type == "cuda"
-    gpu_us = None
+    # Pass 1: wall times of the stages, no profiler (it slows every launch down).
+    if cprofile is not None:
+        cprofile.enable()
     t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = time.perf_counter() - t0
+    if cprofile is not None:
+        cprofile.disable()
+    row: dict[str, Any] = {stage: times[stage] / steps * 1e6 for stage in STAGES}
+    row["step"] = wall / steps * 1e6
+    row["other"] = row["step"] - sum(row[s] for s in STAGES)
+    row["gpu"] = row["gpu_busy"] = row["replay"] = None
+    row["kernels"] = {}
     if cuda:
-        from torch.profiler import ProfilerActivity, profile
+        # Pass 2: the same steps under torch.profiler, for the kernels' device time.
+        from torch.profiler import ProfilerActivity, profile, record_function
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
-                engine.step()
+                with record_function(STEP_MARK):
+                    engine.step()
             torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-        gpu_us = sum(e.device_time for e in kernels) / steps
-    else:
-        for _ in range(steps):
-            engine.step()
-        wall = time.perf_counter() - t0
+        # The kernels' times come from the exported trace, per step kept in it (on the
+        # H200 it held 12 of 50 steps: dividing by 50 gave 370 µs of kernels per step
+        # where there were 1,480).
+        with tempfile.TemporaryDirectory() as tmp:
+            path = f"{trace_dir or tmp}/trace-{batch}.json"
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                events = json.load(f)["traceEvents"]
+        # The trace may keep only the last of the steps: per step means per step in it.
+        kept = sum(1 for e in events if e.get("name") == STEP_MARK and e.get("ph") == "X")
+        kept = min(max(kept, 1), steps)
+        per_kernel: dict[str, float] = defaultdict(float)
+        spans: list[tuple[float, float]] = []
+        for e in events:
+            if e.get("ph") == "X" and e.get("cat") == "kernel":
+                per_kernel[e["name"][:60]] += e["dur"] / kept
+                spans.append((e["ts"], e["ts"] + e["dur"]))
+        row["gpu"] = sum(per_kernel.values())
+        row["gpu_busy"] = _union_length(spans) / kept
+        top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]
+        row["kernels"] = {name: round(us, 1) for name, us in top}
+        row["replay"] = _time_replay(runner, batch)
     engine.abort_request([*core.scheduler.requests])
     while engine.has_unfinished_requests():
         engine.step()
-    row: dict[str, Any] = {stage: times[stage] / steps * 1e6 for stage in STAGES}
-    row["step"] = wall / steps * 1e6
-    row["gpu"] = gpu_us
     row["batch"] = batch
     row["graphs"] = runner.graphs is not None
     return row
@@ -109,23 +186,53 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cprofile", help="write cProfile stats of the timed steps here")
+    parser.add_argument("--trace-dir", help="write each batch's torch.profiler trace here")
     args = parser.parse_args(argv)
     from asyncllm import LLM
 
     kwargs = engine_kwargs(args)
     kwargs.setdefault("max_num_seqs", max(args.batch))
     kwargs.setdefault("max_model_len", args.input_len + args.steps + 64)
+    t0 = time.perf_counter()
     llm = LLM(multiprocess=False, **kwargs)
+    client: Any = llm.engine.client  # (the in-process client: its core is here)
+    startup = dataclasses.asdict(client.core.executor.worker.report)
+    startup["engine_s"] = time.perf_counter() - t0
+    prof = cProfile.Profile() if args.cprofile else None
     try:
-        rows = [profile_batch(llm, b, args.input_len, args.steps, args.seed) for b in args.batch]
+        rows = [
+            profile_batch(llm, b, args.input_len, args.steps, args.seed, prof, args.trace_dir)
+            for b in args.batch
+        ]
     finally:
         llm.shutdown()
-    cols = ("batch", "step", *STAGES, "gpu")
+    if prof is not None:
+        prof.dump_stats(args.cprofile)
+    cols = ("batch", "step", *STAGES, "other", "gpu", "gpu_busy", "replay")
     print("µs per decode step" + (" (CUDA graphs)" if rows[0]["graphs"] else ""))
     print(" ".join(f"{c:>9}" for c in cols))
     for r in rows:
         print(" ".join(f"{r[c]:>9.0f}" if r[c] is not None else f"{'-':>9}" for c in cols))
-    result = {"benchmark": "step_profile", "rows": rows}
+    result = {"benchmark": "step_profile", "rows": rows, "startup": startup}
+    stages = ", ".join(f"{k} {v:.2f} s" for k, v in startup["seconds"].items())
+    print(f"start-up {startup['engine_s']:.1f} s in all; {stages}")
+    print(
+        "memory: weights {:.2f} GiB, activation peak {:.2f} GiB, CUDA graphs {:.2f} GiB "
+        "(estimated {:.2f}), KV cache {:.2f} GiB in {} blocks, {:.1f} requests of "
+        "max_model_len at once".format(
+            startup["weights_bytes"] / 2**30,
+            startup["activation_peak_bytes"] / 2**30,
+            startup["graph_bytes"] / 2**30,
+            startup["graph_estimate_bytes"] / 2**30,
+            startup["kv_cache_bytes"] / 2**30,
+            startup["num_blocks"],
+            startup["max_concurrency"],
+        )
+    )
+    for r in rows:
+        for name, us in r["kernels"].items():
+            print(f"  batch {r['batch']}: {us:>8.1f} µs  {name}")
     print(json.dumps(result))
     return result
 

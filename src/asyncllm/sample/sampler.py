@@ -20,8 +20,8 @@ from asyncllm.sample.logits_processor import LogitsProcessor
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor  # [B] float (greedy rows: 1.0, see is_greedy)
-    is_greedy: torch.Tensor  # [B] bool
+    temperature: torch.Tensor | None  # [B] float (greedy rows: 1.0); None if all_greedy
+    is_greedy: torch.Tensor | None  # [B] bool; None if all_greedy
     all_greedy: bool
     top_k: torch.Tensor | None = None  # [B] long, 0 = off
     top_p: torch.Tensor | None = None  # [B] float
@@ -72,6 +72,7 @@ class Sampler:
         if md.all_greedy:
             tokens = greedy
         else:
+            assert md.is_greedy is not None, "a step that samples needs is_greedy"
             tokens = torch.where(md.is_greedy, greedy, self.sample_random(logits, md))
         out = SamplerOutput(token_ids=tokens)
         if raw_logprobs is not None and num_logprobs is not None:
@@ -104,6 +105,7 @@ class Sampler:
         return logits
 
     def sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        assert md.temperature is not None, "random sampling needs temperatures"
         logits = logits / md.temperature.unsqueeze(-1)
         if md.min_p is not None:
             logits = ops.apply_min_p(logits, md.min_p)

@@ -258,6 +258,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.buffers.wait_until_writable()
+        try:
+            return self._execute(so)
+        finally:
+            self.buffers.step_queued()
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         failed = self._update_states(so)
         scheduled = so.num_scheduled_tokens
         if failed:  # (the scheduler's own dict stays as it was)
@@ -469,7 +476,7 @@ class ModelRunner:
             last = hidden
         else:
             sample_rows = inputs.query_start_loc[1:][inputs.samples] - 1
-            index = self.buffers.sample_rows
+            index = self.buffers.logit_rows
             index.np[: len(sample_rows)] = sample_rows
             last = hidden.index_select(0, index.copy_to_device(len(sample_rows)))
         return hidden, model.compute_logits(last).float()[: len(inputs.samples)]

@@ -136,10 +136,11 @@ class SamplingState:
                 b.copy_to_device(self.num_rows)
             self._dirty = False
         greedy = self.greedy.np[rows]
-        md = SamplingMetadata(
-            temperature=self.temperature.device.index_select(0, rows_dev),
-            is_greedy=self.greedy.device.index_select(0, rows_dev),
-            all_greedy=bool(greedy.all()),
+        all_greedy = bool(greedy.all())
+        md = SamplingMetadata(  # (an all-greedy step gathers no temperatures: an argmax)
+            temperature=None if all_greedy else self.temperature.device.index_select(0, rows_dev),
+            is_greedy=None if all_greedy else self.greedy.device.index_select(0, rows_dev),
+            all_greedy=all_greedy,
         )
         random = ~greedy
         if (random & (self.top_k.np[rows] > 0)).any():
@@ -162,12 +163,14 @@ class SamplingState:
                 md.presence_penalty = self.presence_penalty.device.index_select(0, rows_dev)
                 md.frequency_penalty = self.frequency_penalty.device.index_select(0, rows_dev)
         for i in np.nonzero(self.needs_python[rows])[0].tolist():
-            self._python_params(md, i, states[i])
+            self._python_params(md, i, states[i], len(states))
         want = self.num_logprobs[rows]
         md.max_num_logprobs = int(want.max()) if (want >= 0).any() else None
         return md
 
-    def _python_params(self, md: SamplingMetadata, i: int, s: CachedRequestState) -> None:
+    def _python_params(
+        self, md: SamplingMetadata, i: int, s: CachedRequestState, num_rows: int
+    ) -> None:
         """The rare per-request parts: a seeded generator, a logit bias, min_tokens."""
         p = s.sampling_params
         if p.seed is not None and s.generator is not None and not p.is_greedy:
@@ -175,9 +178,7 @@ class SamplingState:
             md.generators[i] = s.generator
         if p.logit_bias:
             if md.logit_bias is None:
-                md.logit_bias = torch.zeros(
-                    len(md.temperature), self.vocab_size, device=self.device
-                )
+                md.logit_bias = torch.zeros(num_rows, self.vocab_size, device=self.device)
             ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
             vals = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
             md.logit_bias[i].index_put_((ids.to(self.device),), vals.to(self.device))

