@@ -88,9 +88,9 @@ def test_unknown_engine_argument_is_named():
 def test_kv_cache_too_small_for_one_request_is_a_clear_error(multiprocess):
     from asyncllm import EngineStartupError
 
-    error = EngineStartupError if multiprocess else ValueError
-    with pytest.raises(error, match="max_model_len"):
+    with pytest.raises(EngineStartupError, match="max_model_len") as info:
         LLM(device="cpu", max_model_len=1024, num_gpu_blocks_override=10, multiprocess=multiprocess)
+    assert info.value.__cause__ is not None  # (in-process: the ValueError; else the core's death)
 
 
 def test_duplicate_request_id_is_rejected(llm):

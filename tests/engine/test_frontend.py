@@ -236,26 +236,78 @@ def test_a_stop_tokens_text_is_left_out_unless_asked_for(include, instant):
     assert out.text == tok.decode([1003, 1004] if include else [1003])
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_the_eos_text_is_left_out_even_with_special_tokens_shown(include, llm):
+    """The issue's second case, on the real model: EOS forced by a logit bias, special
+    tokens not skipped; its text is in the output only if asked for."""
+    tok = llm.get_tokenizer()
+    eos = tok.eos_token_id
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=5,
+        logit_bias={eos: 100.0},
+        skip_special_tokens=False,
+        include_stop_str_in_output=include,
+    )
+    out = llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop"
+    assert out.text == (tok.decode([eos]) if include else "")
+    assert tok.decode([eos])  # (the EOS has a text to leave out)
+
+
 def test_tpot_counts_every_token_of_a_delta_stream(instant):
     from asyncllm import RequestOutputKind
 
     llm = instant
     engine = llm.engine
     params = SamplingParams(max_tokens=6, output_kind=RequestOutputKind.DELTA, ignore_eos=True)
-    before = engine.get_stats()["tpot_s"]["count"]
+
+    def total(h):
+        return (h["mean"] or 0.0) * h["count"]
+
+    before = engine.get_stats()["tpot_s"]
     engine.add_request("d", [1, 2, 3], params)
+    outs = []
     while engine.has_unfinished_requests():
-        engine.step()
-    assert engine.get_stats()["tpot_s"]["count"] == before + 1
+        outs.extend(engine.step())
+    after = engine.get_stats()["tpot_s"]
+    assert after["count"] == before["count"] + 1
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 6  # (deltas: 1 or more each)
+    m = outs[-1].metrics  # the value is over all 6 tokens, not the last delta's
+    want = (m["finished_time"] - m["first_token_time"]) / 5
+    assert total(after) - total(before) == pytest.approx(want, rel=1e-6, abs=1e-9)
 
 
 async def test_a_failed_start_raises_startup_error_and_can_be_retried(tmp_path):
     from asyncllm import EngineStartupError
+    from asyncllm.model.source import embedded_model_path
 
-    llm = AsyncLLM(model=str(tmp_path / "missing"), device="cpu")
+    model = tmp_path / "missing"
+    llm = AsyncLLM(
+        model=str(model),
+        device="cpu",
+        distributed_executor_backend="asyncllm.executor.instant:InstantExecutor",
+    )
     for _ in range(2):  # the second attempt is a real retry, not "already started"
         with pytest.raises(EngineStartupError, match="does not exist") as info:
             await llm.start()
         assert isinstance(info.value.__cause__, FileNotFoundError)
         assert not llm.is_running
-    await llm.shutdown()
+    model.symlink_to(embedded_model_path(), target_is_directory=True)  # the cause, fixed
+    await llm.start()  # the same instance starts now
+    try:
+        outs = [o async for o in llm.generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True))]
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+    finally:
+        await llm.shutdown()
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_llm_start_up_failures_are_startup_errors_with_their_cause(multiprocess):
+    """LLM raises what AsyncLLM.start() raises: EngineStartupError, the cause chained,
+    with the core in this process or in its own."""
+    from asyncllm import LLM, EngineStartupError
+
+    with pytest.raises(EngineStartupError, match="no/such/model") as info:
+        LLM(model="/no/such/model", device="cpu", multiprocess=multiprocess)
+    assert isinstance(info.value.__cause__, FileNotFoundError)

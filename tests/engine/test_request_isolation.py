@@ -18,6 +18,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import queue
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -291,11 +294,77 @@ def test_a_step_that_could_change_nothing_ends_the_stuck_request(instant_llm, mo
     assert len(_run(core, [_request([1, 2, 3], 2)]).popitem()[1].tokens) == 2
 
 
-def test_an_idle_core_has_nothing_to_send(instant_llm):
+class _CountingQueue(queue.Queue):
+    """The core loop's output queue: counts every message the loop sends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = 0
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        self.sent += 1
+        super().put(item, block, timeout)
+
+
+def _blocked_in_get(thread: threading.Thread) -> bool:
+    """Whether `thread` is waiting inside a blocking `Queue.get` (asleep, not polling)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_name == "get" and frame.f_locals.get("block") is True:
+            return frame.f_back is not None and frame.f_back.f_code.co_name == "run_busy_loop"
+        frame = frame.f_back
+    return False
+
+
+def test_the_core_loop_goes_to_sleep_after_requests_it_cannot_schedule(instant_llm):
+    """The process loop itself (core_main.run_busy_loop) with an empty and a too-long
+    request wedged in the scheduler and a good one sent as a message: both bad ones end
+    with INVALID errors, the good one with its tokens, and then the loop sleeps in a
+    blocking read of its input, having sent nothing more (it used to spin, sending empty
+    outputs)."""
+    from asyncllm.engine.core_main import EngineCoreProc, _Control, _Stop
+    from asyncllm.messages import EngineCoreOutputs, MsgKind
+
     core = _core(instant_llm)
-    assert not core.has_unfinished_requests() and not core.has_pending_outputs()
-    core.abort_requests(["nobody"])
-    assert not core.has_pending_outputs()
+    proc = EngineCoreProc.__new__(EngineCoreProc)  # the loop alone: no sockets, no threads
+    proc.in_q, proc.out_q = queue.Queue(), _CountingQueue()
+    _inject(core, "empty", [])
+    _inject(core, "too-long", [5] * 1500)
+    ok = _request([1, 2, 3], max_tokens=3)
+    proc.in_q.put((MsgKind.ADD, ok))
+    stopped: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            proc.run_busy_loop(core)
+        except _Stop as e:
+            stopped.append(e)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    results: dict[str, Result] = {}
+    while len([r for r in results.values() if r.finish_reason]) < 3:
+        out = proc.out_q.get(timeout=60)
+        assert isinstance(out, EngineCoreOutputs) and out.outputs, "an empty output was sent"
+        for o in out.outputs:
+            r = results.setdefault(o.request_id, Result())
+            r.tokens += o.new_token_ids
+            r.finish_reason = o.finish_reason or r.finish_reason
+            if o.error is not None:
+                r.error = (o.error.kind, o.error.message)
+    for rid in ("empty", "too-long"):
+        assert results[rid].error is not None and results[rid].error[0] is ErrorKind.INVALID
+    assert results[ok.request_id].tokens == [1003, 1004, 1005]
+    while not _blocked_in_get(thread):  # the condition, not a sleep: it must come
+        thread.join(0.01)
+        assert thread.is_alive()
+    sent = proc.out_q.sent
+    assert proc.out_q.empty() and not core.has_unfinished_requests()
+    proc.in_q.put(_Control("test over", failed=False))
+    thread.join(60)
+    assert stopped and not thread.is_alive()
+    assert proc.out_q.sent == sent  # nothing was sent while it slept
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks
 
 
 # -- the model runner (a tiny random Llama in this process) ----------------------------

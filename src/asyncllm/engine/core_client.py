@@ -180,7 +180,7 @@ class SyncMPClient(_MPClientBase, EngineCoreClient):
             self.info = self._wait_for(lambda k, o: k is MsgKind.READY, ready_timeout)
         except EngineDeadError as e:
             self.shutdown()
-            raise EngineStartupError(str(e)) from None
+            raise EngineStartupError(str(e)) from e
 
     def _recv(self, timeout: float) -> tuple[MsgKind, Any] | None:
         if self.output.poll(int(timeout * 1000)):
@@ -257,12 +257,12 @@ class AsyncMPClient(_MPClientBase):
             while not self._try_send_config():
                 await asyncio.sleep(0.01)
         except EngineDeadError as e:
-            raise EngineStartupError(str(e)) from None
+            raise EngineStartupError(str(e)) from e
         while True:
             try:
                 msg = await self._recv(POLL_S)
             except EngineDeadError as e:
-                raise EngineStartupError(str(e)) from None
+                raise EngineStartupError(str(e)) from e
             if msg is not None and msg[0] is MsgKind.READY:
                 self.info = msg[1]
                 return

@@ -9,28 +9,51 @@ from typing import Any
 from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.arg_utils import create_engine_config
 from asyncllm.engine.core_client import EngineCoreClient, SyncMPClient
+from asyncllm.errors import EngineStartupError
 from asyncllm.frontend.frontend import Frontend
 from asyncllm.frontend.input_processor import PromptType
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
 
+def startup_error(e: Exception) -> EngineStartupError:
+    """What a failure while starting an engine is raised as: EngineStartupError, with
+    the reason in its message and the original exception as its cause."""
+    if isinstance(e, EngineStartupError):
+        return e
+    err = EngineStartupError(f"{type(e).__name__}: {e}")
+    err.__cause__ = e
+    return err
+
+
+def create_host_side(args: EngineArgs) -> tuple[EngineConfig, Frontend]:
+    """The host's half of start-up, shared by LLM and AsyncLLM: the engine config (the
+    model resolved) and the frontend (the tokenizer loaded). Any failure raises
+    EngineStartupError with its cause chained."""
+    try:
+        config = create_engine_config(args)
+        return config, Frontend.create(config)
+    except Exception as e:
+        raise startup_error(e)  # noqa: B904 (the cause is set inside)
+
+
 class LLMEngine:
-    def __init__(
-        self,
-        config: EngineConfig,
-        args: EngineArgs,
-        client_class: type[EngineCoreClient] = SyncMPClient,
-    ) -> None:
+    def __init__(self, config: EngineConfig, frontend: Frontend, client: EngineCoreClient) -> None:
         self.config = config
-        self.frontend = Frontend.create(config)
-        self.client = client_class(config, args)
+        self.frontend = frontend
+        self.client = client
 
     @classmethod
     def from_engine_args(
         cls, args: EngineArgs, client_class: type[EngineCoreClient] = SyncMPClient
     ) -> LLMEngine:
-        return cls(create_engine_config(args), args, client_class)
+        """Starts an engine; any failure raises EngineStartupError (cause chained)."""
+        config, frontend = create_host_side(args)
+        try:
+            client = client_class(config, args)
+        except Exception as e:
+            raise startup_error(e)  # noqa: B904 (the cause is set inside)
+        return cls(config, frontend, client)
 
     def get_tokenizer(self) -> Any | None:
         return self.frontend.tokenizer

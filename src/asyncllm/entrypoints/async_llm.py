@@ -20,9 +20,9 @@ from typing import Any
 import msgspec
 
 from asyncllm.config import EngineArgs, EngineConfig
-from asyncllm.engine.arg_utils import create_engine_config
 from asyncllm.engine.core_client import AsyncMPClient
-from asyncllm.errors import EngineDeadError, EngineStartupError
+from asyncllm.engine.llm_engine import create_host_side, startup_error
+from asyncllm.errors import EngineDeadError
 from asyncllm.frontend.chat import Messages
 from asyncllm.frontend.collector import RequestOutputCollector
 from asyncllm.frontend.frontend import Frontend
@@ -65,13 +65,12 @@ class AsyncLLM:
         self._loop = asyncio.get_running_loop()
         client: AsyncMPClient | None = None
         try:
+            self.config, self.frontend = await asyncio.to_thread(create_host_side, self.args)
             try:
-                self.config = await asyncio.to_thread(create_engine_config, self.args)
-                self.frontend = await asyncio.to_thread(Frontend.create, self.config)
+                client = AsyncMPClient(self.args)
+                await client.start()
             except Exception as e:
-                raise EngineStartupError(f"{type(e).__name__}: {e}") from e
-            client = AsyncMPClient(self.args)
-            await client.start()
+                raise startup_error(e)  # noqa: B904 (the cause is set inside)
         except BaseException:
             if client is not None:
                 await client.shutdown()
