@@ -14,8 +14,7 @@ stages are wall times of the engine's own functions (wrapped, not changed):
 
 The stages are timed without a profiler; a second run of as many steps under
 `torch.profiler` gives the device side (CUDA only, read from its Chrome trace): `gpu`,
-the sum of the step's kernel times; `gpu_busy`, the union of their intervals (kernels that overlap count once);
-the kernels that take most of it; and `replay`, one replay of the step's decode graph
+the sum of the step's kernel times, and the kernels that take most of it; and `replay`, one replay of the step's decode graph
 alone between CUDA events (launch gaps included). `--cprofile FILE` writes Python-level
 stats of the timed steps, `--trace-dir DIR` each batch's Chrome trace.
 
@@ -55,16 +54,6 @@ def _wrap(obj: Any, name: str, stage: str, times: dict[str, float]) -> None:
             times[stage] += time.perf_counter() - t0
 
     setattr(obj, name, timed)
-
-
-def _union_length(spans: list[tuple[float, float]]) -> float:
-    """Total length of the union of [start, end) intervals: the time the device was busy."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
 
 
 def _time_replay(runner: Any, batch: int) -> float | None:
@@ -138,7 +127,7 @@ def profile_batch(
     row: dict[str, Any] = {stage: times[stage] / steps * 1e6 for stage in STAGES}
     row["step"] = wall / steps * 1e6
     row["other"] = row["step"] - sum(row[s] for s in STAGES)
-    row["gpu"] = row["gpu_busy"] = row["replay"] = None
+    row["gpu"] = row["replay"] = None
     row["kernels"] = {}
     if cuda:
         # Pass 2: the same steps under torch.profiler, for the kernels' device time.
@@ -149,25 +138,20 @@ def profile_batch(
                 with record_function(STEP_MARK):
                     engine.step()
             torch.cuda.synchronize()
-        # The kernels' times come from the exported trace, per step kept in it (on the
-        # H200 it held 12 of 50 steps: dividing by 50 gave 370 µs of kernels per step
-        # where there were 1,480).
+        # The kernels' times come from the exported trace, per step kept in it: it may
+        # keep only the last steps (on the H200, 12 of 50).
         with tempfile.TemporaryDirectory() as tmp:
             path = f"{trace_dir or tmp}/trace-{batch}.json"
             prof.export_chrome_trace(path)
             with open(path) as f:
                 events = json.load(f)["traceEvents"]
-        # The trace may keep only the last of the steps: per step means per step in it.
         kept = sum(1 for e in events if e.get("name") == STEP_MARK and e.get("ph") == "X")
         kept = min(max(kept, 1), steps)
         per_kernel: dict[str, float] = defaultdict(float)
-        spans: list[tuple[float, float]] = []
         for e in events:
             if e.get("ph") == "X" and e.get("cat") == "kernel":
                 per_kernel[e["name"][:60]] += e["dur"] / kept
-                spans.append((e["ts"], e["ts"] + e["dur"]))
         row["gpu"] = sum(per_kernel.values())
-        row["gpu_busy"] = _union_length(spans) / kept
         top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]
         row["kernels"] = {name: round(us, 1) for name, us in top}
         row["replay"] = _time_replay(runner, batch)
@@ -209,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         llm.shutdown()
     if prof is not None:
         prof.dump_stats(args.cprofile)
-    cols = ("batch", "step", *STAGES, "other", "gpu", "gpu_busy", "replay")
+    cols = ("batch", "step", *STAGES, "other", "gpu", "replay")
     print("µs per decode step" + (" (CUDA graphs)" if rows[0]["graphs"] else ""))
     print(" ".join(f"{c:>9}" for c in cols))
     for r in rows:

@@ -17,13 +17,9 @@ from asyncllm.sampling_params import SamplingParams
 
 
 def startup_error(e: Exception) -> EngineStartupError:
-    """What a failure while starting an engine is raised as: EngineStartupError, with
-    the reason in its message and the original exception as its cause."""
-    if isinstance(e, EngineStartupError):
-        return e
-    err = EngineStartupError(f"{type(e).__name__}: {e}")
-    err.__cause__ = e
-    return err
+    """What a failure while starting an engine is raised as (`from e`): the reason in
+    the message, the original exception as the cause."""
+    return EngineStartupError(f"{type(e).__name__}: {e}")
 
 
 def create_host_side(args: EngineArgs) -> tuple[EngineConfig, Frontend]:
@@ -34,7 +30,7 @@ def create_host_side(args: EngineArgs) -> tuple[EngineConfig, Frontend]:
         config = create_engine_config(args)
         return config, Frontend.create(config)
     except Exception as e:
-        raise startup_error(e)  # noqa: B904 (the cause is set inside)
+        raise startup_error(e) from e
 
 
 class LLMEngine:
@@ -51,8 +47,10 @@ class LLMEngine:
         config, frontend = create_host_side(args)
         try:
             client = client_class(config, args)
+        except EngineStartupError:
+            raise  # (the client's own: already says why)
         except Exception as e:
-            raise startup_error(e)  # noqa: B904 (the cause is set inside)
+            raise startup_error(e) from e
         return cls(config, frontend, client)
 
     def get_tokenizer(self) -> Any | None:

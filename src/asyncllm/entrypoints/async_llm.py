@@ -22,7 +22,7 @@ import msgspec
 from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.core_client import AsyncMPClient
 from asyncllm.engine.llm_engine import create_host_side, startup_error
-from asyncllm.errors import EngineDeadError
+from asyncllm.errors import EngineDeadError, EngineStartupError
 from asyncllm.frontend.chat import Messages
 from asyncllm.frontend.collector import RequestOutputCollector
 from asyncllm.frontend.frontend import Frontend
@@ -69,8 +69,10 @@ class AsyncLLM:
             try:
                 client = AsyncMPClient(self.args)
                 await client.start()
+            except EngineStartupError:
+                raise  # (the client's own: already says why)
             except Exception as e:
-                raise startup_error(e)  # noqa: B904 (the cause is set inside)
+                raise startup_error(e) from e
         except BaseException:
             if client is not None:
                 await client.shutdown()

@@ -166,7 +166,7 @@ class ModelRunner:
         buf.input_ids.np[:T] = 0
         buf.positions.np[:T] = np.concatenate([np.arange(n) for n in lens])
         buf.slot_mapping.np[:T] = -1
-        buf.copy_to_device(T, S)
+        buf.copy_to_device(S)
         scratch = self._kv_cache_tensors(1)
         model = self._loaded_model()
         hidden = model(
@@ -229,7 +229,7 @@ class ModelRunner:
         buf.input_ids.np[:size] = 0
         buf.positions.np[:size] = 0
         buf.slot_mapping.np[:size] = -1
-        buf.copy_to_device(size, size)
+        buf.copy_to_device(size)
 
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> DecodeGraphs | None:
@@ -419,9 +419,9 @@ class ModelRunner:
             graph_size = padded_size(S, self.capture_sizes)
         if graph_size is not None:
             buf.pad(T, S, graph_size, graph_size)
-            buf.copy_to_device(graph_size, graph_size)
+            buf.copy_to_device(graph_size)
         else:
-            buf.copy_to_device(T, S)
+            buf.copy_to_device(S)
         return StepInputs(
             states=states,
             rows=rows,

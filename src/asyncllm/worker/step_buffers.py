@@ -125,10 +125,9 @@ class StepBuffers:
             self.seq_lens.np[num_seqs:padded_seqs] = 0
             self.block_table.np[num_seqs:padded_seqs] = 0
 
-    def copy_to_device(self, num_tokens: int, num_seqs: int) -> None:
-        """Queues the step's inputs for the device: the arena (one copy) and the block
-        table's first `num_seqs` rows. `num_tokens` is what the step reads (the arena is
-        sent whole)."""
+    def copy_to_device(self, num_seqs: int) -> None:
+        """Queues the step's inputs for the device: the arena (one copy, whole) and the
+        block table's first `num_seqs` rows."""
         if self.device_arena is not self.host_arena:
             self.device_arena.copy_(self.host_arena, non_blocking=True)
         self.block_table.copy_to_device(num_seqs)
