@@ -9,6 +9,7 @@
 #
 #   bash benchmarks/h200.sh latency-0.6b eager-0.6b throughput-0.6b profile-0.6b
 #   bash benchmarks/h200.sh latency-8b throughput-8b test-gpu
+#   bash benchmarks/h200.sh latency-8b-sync   # (any benchmark stage: without async scheduling)
 set -uo pipefail
 OUT=${OUT:-h200-logs}
 mkdir -p "$OUT"
@@ -39,16 +40,19 @@ stage() {
 }
 
 for s in "$@"; do
-    case $s in
+    SYNC=()  # a stage name ending in -sync runs without async scheduling
+    case $s in *-sync) SYNC=(--no-async-scheduling) ;; esac
+    case ${s%-sync} in
     info) stage info bash -c "nvidia-smi; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'; git log -1 --oneline" ;;
-    latency-0.6b) stage "$s" python3 -m asyncllm.bench.latency "${Q06[@]}" ;;
+    latency-0.6b) stage "$s" python3 -m asyncllm.bench.latency "${Q06[@]}" "${SYNC[@]}" ;;
     eager-0.6b) stage "$s" python3 -m asyncllm.bench.latency "${Q06[@]}" --enforce-eager ;;
-    throughput-0.6b) stage "$s" python3 -m asyncllm.bench.throughput "${Q06[@]}" ;;
-    profile-0.6b) stage "$s" python3 -m asyncllm.bench.step_profile "${Q06[@]}" --batch 1 256 --trace-dir "$OUT" && gzip -f "$OUT"/trace-*.json ;;
+    throughput-0.6b) stage "$s" python3 -m asyncllm.bench.throughput "${Q06[@]}" "${SYNC[@]}" ;;
+    profile-0.6b) stage "$s" python3 -m asyncllm.bench.step_profile "${Q06[@]}" "${SYNC[@]}" --batch 1 256 --trace-dir "$OUT" && gzip -f "$OUT"/trace-*.json ;;
     serving-0.6b) stage "$s" python3 -m asyncllm.bench.serving "${Q06[@]}" ;;
-    profile-8b) stage "$s" python3 -m asyncllm.bench.step_profile "${L8[@]}" --batch 1 256 ;;
-    latency-8b) stage "$s" python3 -m asyncllm.bench.latency "${L8[@]}" ;;
-    throughput-8b) stage "$s" python3 -m asyncllm.bench.throughput "${L8[@]}" ;;
+    profile-8b) stage "$s" python3 -m asyncllm.bench.step_profile "${L8[@]}" "${SYNC[@]}" --batch 1 256 ;;
+    latency-8b) stage "$s" python3 -m asyncllm.bench.latency "${L8[@]}" "${SYNC[@]}" ;;
+    throughput-8b) stage "$s" python3 -m asyncllm.bench.throughput "${L8[@]}" "${SYNC[@]}" ;;
+    sweep-decode) stage "$s" python3 benchmarks/kernels/sweep_small_decode.py ;;
     test-gpu) stage "$s" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider ;;
     *) stage "$(echo "$s" | tr '/:' '__')" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider "$s" ;;
     esac

@@ -65,6 +65,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0: no cap on one prefill's chunk
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
     max_waiting_requests: int | None = None  # beyond this, new requests are refused
+    async_scheduling: bool = False  # schedule step N+1 while step N runs
 
 
 @dataclass
@@ -157,6 +158,9 @@ class EngineArgs:
     max_logprobs: int = 20
     max_waiting_requests: int | None = None
     attention_backend: str | None = None  # "triton" (CUDA) or "torch_native"; None: by device
+    # True: the host schedules and prepares step N+1 while the device runs step N (the
+    # sampled ids go from one step to the next on the device); False: one step at a time.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str | os.PathLike):
@@ -195,6 +199,7 @@ class EngineArgs:
             "enable_prefix_caching",
             "enable_chunked_prefill",
             "enforce_eager",
+            "async_scheduling",
         ):
             _check_bool(name, getattr(self, name))
         _check_int("max_num_seqs", self.max_num_seqs, 1, optional=True)

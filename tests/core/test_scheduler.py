@@ -18,14 +18,15 @@ The rules:
 - a waiting request takes its longest cached prefix in whole blocks, never its last
   token;
 - a request stops at max_tokens or max_model_len ("length"), at eos or a stop token
-  ("stop"), but not before min_tokens; an abort frees its blocks at once.
+  ("stop"), but not before min_tokens; an abort frees its blocks at once, or once the
+  step in flight that writes them has been applied.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import pytest
@@ -560,15 +561,17 @@ def test_aborting_a_waiting_request_removes_it_from_the_queue() -> None:
 
 def test_a_request_aborted_while_its_step_runs_gets_no_output() -> None:
     """Outputs of a step go only to requests still running, even when a new request
-    already reuses the aborted one's id."""
+    already reuses the aborted one's id; the aborted one's blocks come back only once
+    the step that writes them has been applied."""
     sched = make_scheduler()
     add(sched, "a", 8)
     out = sched.schedule()
     runner_out = run_fake_model(sched, out)
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
-    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks - 1  # held for the step
     again = add(sched, "a", 8)
     assert sched.update_from_output(out, runner_out) == []
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
     assert again.output_token_ids == [] and again.status == RequestStatus.WAITING
 
 
@@ -720,10 +723,15 @@ _PRIORITY_VICTIM_WITH_A_CHUNK = Workload(
 )
 
 
+@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
 @settings(max_examples=40, deadline=None)
 @given(w=workloads())
 @example(w=_PRIORITY_VICTIM_WITH_A_CHUNK)
-def test_random_workloads_respect_the_limits_finish_and_free_every_block(w: Workload) -> None:
+def test_random_workloads_respect_the_limits_finish_and_free_every_block(
+    depth: int, w: Workload
+) -> None:
+    """`depth` 2 is async scheduling: step N+1 is scheduled (and run) before step N's
+    results are applied; the outputs must be the same."""
     cfg = w.config
     kv = KVCacheManager(w.num_blocks, w.block_size, cfg.max_model_len, w.enable_caching)
     sched = Scheduler(cfg, kv)
@@ -732,6 +740,7 @@ def test_random_workloads_respect_the_limits_finish_and_free_every_block(w: Work
     added: dict[str, Request] = {}
     produced: dict[str, list[int]] = defaultdict(list)
     finish_reasons: dict[str, str] = {}
+    in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
     for step_no in range(MAX_STEPS):
         while pending and pending[0].arrival_step <= step_no:
             s = pending.pop(0)
@@ -746,23 +755,30 @@ def test_random_workloads_respect_the_limits_finish_and_free_every_block(w: Work
                 block_hasher=make_block_hasher(w.block_size),
             )
             sched.add_request(added[s.rid])
-        if not pending and not sched.has_unfinished_requests():
+        if not pending and not sched.has_unfinished_requests() and not in_flight:
             break
-        out = sched.schedule()
-        assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
-        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
-        assert all(n > 0 for n in out.num_scheduled_tokens.values())
-        assert len(sched.running) <= cfg.max_num_seqs
-        runner_out = runner(out)
-        for rid in out.num_scheduled_tokens:  # the scheduler and the runner agree
-            assert sched.requests[rid].num_computed_tokens == runner.reqs[rid].num_computed
-        for r in sched.running:  # blocks for exactly the tokens computed, no more
-            assert len(kv.get_block_ids(r.request_id)) == -(-r.num_computed_tokens // w.block_size)
-        for o in sched.update_from_output(out, runner_out):
-            assert o.request_id not in finish_reasons, "output after the request finished"
-            produced[o.request_id] += o.new_token_ids
-            if o.finish_reason is not None:
-                finish_reasons[o.request_id] = o.finish_reason
+        out = None
+        if sched.has_unfinished_requests():
+            out = sched.schedule()
+            assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+            assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+            assert all(n > 0 for n in out.num_scheduled_tokens.values())
+            assert len(sched.running) <= cfg.max_num_seqs
+            runner_out = runner(out)
+            for rid in out.num_scheduled_tokens:  # the scheduler and the runner agree
+                assert sched.requests[rid].num_computed_tokens == runner.reqs[rid].num_computed
+            for r in sched.running:  # blocks for exactly the tokens computed, no more
+                num_blocks = len(kv.get_block_ids(r.request_id))
+                assert num_blocks == -(-r.num_computed_tokens // w.block_size)
+            in_flight.append((out, runner_out))
+            if len(in_flight) == 2:
+                event("two steps in flight")
+        if len(in_flight) >= depth or (in_flight and (out is None or out.is_empty)):
+            for o in sched.update_from_output(*in_flight.popleft()):
+                assert o.request_id not in finish_reasons, "output after the request finished"
+                produced[o.request_id] += o.new_token_ids
+                if o.finish_reason is not None:
+                    finish_reasons[o.request_id] = o.finish_reason
         # Only running requests hold blocks.
         assert set(kv.coordinator.req_to_blocks) <= {r.request_id for r in sched.running}
     else:

@@ -36,3 +36,29 @@ class ForceToken(LogitsProcessor):
 
 class NotAProcessor:
     pass
+
+
+class NoRepeat(LogitsProcessor):
+    """Requests with extra_args={'no_repeat': True} never repeat their last output token:
+    it reads the live output ids, so it sees every token sampled before this step."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        super().__init__(vocab_size, device)
+        self.outputs: dict[int, list[int]] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def add_request(self, row, params, prompt_ids, output_ids) -> None:
+        if (params.extra_args or {}).get("no_repeat"):
+            self.outputs[row] = output_ids
+
+    def remove_request(self, row: int) -> None:
+        self.outputs.pop(row, None)
+
+    def apply(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        for i, row in enumerate(rows):
+            out = self.outputs.get(row)
+            if out:
+                logits[i, out[-1]] = float("-inf")
+        return logits

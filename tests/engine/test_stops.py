@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import pytest
+
 from asyncllm import LLM, SamplingParams
 
 PROMPT = {"prompt": "The history of the Roman Empire begins"}
+
+
+@pytest.fixture(scope="module", params=["async", "sync"])
+def llm(request, llm):
+    """Every test here runs with async scheduling (the shared engine) and without: a
+    stop found at step N must drop the token step N+1 computed meanwhile."""
+    if request.param == "async":
+        yield llm
+        return
+    engine = LLM(device="cpu", async_scheduling=False, multiprocess=False)
+    yield engine
+    engine.shutdown()
 
 
 def _greedy(llm, n=40, **kw):

@@ -158,3 +158,30 @@ def test_logprobs_are_raw_and_rank_the_chosen_token():
     assert torch.allclose(out.logprobs[:, 0], raw[:, 0])  # ...but logprobs are before the bias
     assert torch.equal(out.ranks, (raw > raw[:, :1]).sum(-1) + 1)
     assert torch.allclose(out.logprobs[:, 1:], raw.topk(3).values)
+
+
+def test_the_log_space_draw_is_the_exponential_race():
+    """argmax(logits / T - log E) picks what argmax(softmax(logits / T) / E) picks with
+    the same noise E; greedy rows of a mixed step take the argmax, and a step without
+    greedy rows (any_greedy False) draws every row."""
+    torch.manual_seed(0)
+    B, V = 64, 1000
+    logits = torch.randn(B, V) * 3
+    temperature = torch.rand(B) + 0.3
+    is_greedy = torch.arange(B) % 4 == 0
+    state = torch.get_rng_state()
+    mixed = SamplingMetadata(temperature=temperature, is_greedy=is_greedy, all_greedy=False)
+    tokens = Sampler()(logits.clone(), mixed).token_ids
+    torch.set_rng_state(state)
+    noise = torch.empty_like(logits).exponential_()
+    race = (logits / temperature[:, None]).softmax(-1).div(noise).argmax(-1)
+    assert torch.equal(tokens, torch.where(is_greedy, logits.argmax(-1), race))
+    assert (race[is_greedy] != logits.argmax(-1)[is_greedy]).any()  # the rows differ
+    torch.set_rng_state(state)
+    none_greedy = SamplingMetadata(
+        temperature=temperature,
+        is_greedy=torch.zeros(B, dtype=torch.bool),
+        all_greedy=False,
+        any_greedy=False,
+    )
+    assert torch.equal(Sampler()(logits.clone(), none_greedy).token_ids, race)

@@ -90,11 +90,19 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: Any) -> None:
         default=None,
         help="no CUDA graphs (accepted for vLLM compatibility)",
     )
+    g.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        default=None,
+        help="one step at a time (default: the host schedules step N+1 while step N runs)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineArgs fields for `LLM(**kw)` / `AsyncLLM(**kw)`: the flags that were set."""
     names = ["model", "kv_cache_memory_bytes", "skip_tokenizer_init", "enforce_eager"]
+    names.append("async_scheduling")
     names += [dest for _, dest, _, _ in _ENGINE_FLAGS]
     kw = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     kw.setdefault("model", None)
@@ -265,6 +273,7 @@ def describe_engine(config: EngineConfig) -> dict[str, Any]:
         "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "enforce_eager": config.enforce_eager,
+        "async_scheduling": config.scheduler.async_scheduling,
         "attention_backend": config.attention_backend,
     }
 

@@ -7,7 +7,9 @@ stages are wall times of the engine's own functions (wrapped, not changed):
 - schedule: `Scheduler.schedule`
 - prepare: the runner's batch update and input buffers (`_update_states`, `_prepare_inputs`)
 - forward: launching the model (a CUDA-graph replay or eager launches)
-- sample: sampling, including the wait for the device to finish the step
+- sample: queuing the sampling and the copy of the tokens to the host
+- wait: waiting for a step's tokens and applying them to the persistent batch
+  (`StepResult.apply`); with async scheduling the step waited for is the previous one
 - update: the scheduler taking the step's tokens (`update_from_output`)
 - frontend: turning core outputs into `RequestOutput`s (`Frontend.process_outputs`)
 - other: the rest of `LLMEngine.step` (the core's bookkeeping, output objects)
@@ -39,10 +41,11 @@ from typing import Any
 from asyncllm.bench.common import add_engine_args, engine_kwargs
 
 STEP_MARK = "asyncllm.step"
-STAGES = ("schedule", "prepare", "forward", "sample", "update", "frontend")
+STAGES = ("schedule", "prepare", "forward", "sample", "wait", "update", "frontend")
 
 
-def _wrap(obj: Any, name: str, stage: str, times: dict[str, float]) -> None:
+def _wrap(obj: Any, name: str, stage: str, times: dict[str, float]) -> Callable[[], None]:
+    """Times `obj.name` into `times[stage]`; returns the undo."""
     fn: Callable[..., Any] = getattr(obj, name)
 
     @functools.wraps(fn)
@@ -54,6 +57,7 @@ def _wrap(obj: Any, name: str, stage: str, times: dict[str, float]) -> None:
             times[stage] += time.perf_counter() - t0
 
     setattr(obj, name, timed)
+    return lambda: setattr(obj, name, fn)
 
 
 def _time_replay(runner: Any, batch: int) -> float | None:
@@ -91,6 +95,7 @@ def profile_batch(
     import torch
 
     from asyncllm import SamplingParams
+    from asyncllm.worker.model_runner import StepResult
 
     engine = llm.engine
     core = engine.client.core
@@ -113,6 +118,7 @@ def profile_batch(
     _wrap(runner, "_prepare_inputs", "prepare", times)
     _wrap(runner, "_run_model", "forward", times)
     _wrap(runner, "_sample", "sample", times)
+    unwrap_apply = _wrap(StepResult, "apply", "wait", times)  # (a class: undone below)
     _wrap(engine.frontend, "process_outputs", "frontend", times)
     cuda = runner.device.type == "cuda"
     # Pass 1: wall times of the stages, no profiler (it slows every launch down).
@@ -155,6 +161,7 @@ def profile_batch(
         top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]
         row["kernels"] = {name: round(us, 1) for name, us in top}
         row["replay"] = _time_replay(runner, batch)
+    unwrap_apply()
     engine.abort_request([*core.scheduler.requests])
     while engine.has_unfinished_requests():
         engine.step()

@@ -73,9 +73,13 @@ class KVCacheCoordinator(ABC):
         blocks.extend(new)
         return new
 
-    def free(self, request_id: str) -> None:
-        """Releases all the request's blocks, tail first (see BlockPool.free_blocks)."""
-        blocks = self.req_to_blocks.pop(request_id, [])
+    def take(self, request_id: str) -> list[KVCacheBlock]:
+        """Removes the request's blocks from its name and returns them, still held (the
+        caller frees them, with `free_blocks`, when nothing can write them any more)."""
+        return self.req_to_blocks.pop(request_id, [])
+
+    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """Releases blocks taken from a request, tail first (see BlockPool.free_blocks)."""
         self.pool.free_blocks(reversed(blocks))
 
 
@@ -108,9 +112,9 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             self.pool.cache_full_blocks(blocks, request.block_hashes, done, full)
             self.num_cached_blocks[rid] = full
 
-    def free(self, request_id: str) -> None:
+    def take(self, request_id: str) -> list[KVCacheBlock]:
         self.num_cached_blocks.pop(request_id, None)
-        super().free(request_id)
+        return super().take(request_id)
 
 
 class NoPrefixCacheCoordinator(KVCacheCoordinator):

@@ -116,12 +116,22 @@ class KVCacheManager:
         """Releases all the request's blocks (they stay in the prefix cache until
         evicted). Call it before resetting `num_computed_tokens`: blocks past the
         computed tokens are unregistered first, since their K/V was never written."""
+        self.free_blocks(self.take_blocks(request))
+
+    def take_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """Detaches the request's blocks from it (its id may be reused at once) but keeps
+        them held, for a step still in flight that writes them; `free_blocks` releases
+        them. Blocks past the computed tokens are unregistered, as in `free`."""
         # Blocks are registered when allocated, before their step runs; a request freed
         # in between (a priority victim given tokens earlier in the same step) must not
         # leave them findable.
-        blocks = self.coordinator.get_blocks(request.request_id)
+        blocks = self.coordinator.take(request.request_id)
         self.pool.uncache(blocks[request.num_computed_tokens // self.block_size :])
-        self.coordinator.free(request.request_id)
+        return blocks
+
+    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """Releases blocks from `take_blocks`."""
+        self.coordinator.free_blocks(blocks)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The ids of the request's blocks in token order; [] if it holds none."""

@@ -45,7 +45,11 @@ class Request:
     """One request's state in the core.
 
     `num_computed_tokens` counts the tokens whose K/V the scheduler has handed to the
-    runner (advanced when a step is scheduled, reset to 0 by a preemption). The block
+    runner (advanced when a step is scheduled, reset to 0 by a preemption).
+    `num_output_placeholders` counts the tokens that scheduled steps will sample but whose
+    values are not known yet (with async scheduling, up to two), and `num_in_flight`
+    the scheduled steps of this request whose results have not been applied; a request
+    that ends meanwhile keeps its blocks (`held_blocks`) until they have. The block
     hasher, when given, keeps `block_hashes` covering every full block of
     `all_token_ids`; without it (prefix caching off) `block_hashes` stays empty.
     """
@@ -74,6 +78,9 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
         self.first_scheduled_time = 0.0  # time.monotonic() when it first got tokens
+        self.num_output_placeholders = 0
+        self.num_in_flight = 0
+        self.held_blocks: list | None = None  # blocks of an ended request, freed later
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_tokens = len(self.all_token_ids)  # kept in step with all_token_ids (hot path)

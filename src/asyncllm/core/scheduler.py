@@ -12,6 +12,19 @@ then `_build_output`, which also advances each request's computed tokens and the
 statistics. `update_from_output()` appends the sampled tokens, applies the stop rules
 and frees the requests that finished.
 
+Async scheduling: the engine may schedule step N+1 before step N's results are
+applied. A step that reaches the end of a request's known tokens will sample one: it
+counts as an output placeholder (`Request.num_output_placeholders`) until its result
+comes back, so the next step can already schedule the decode of that token (the runner
+feeds it from the device) and a request whose placeholders reach `max_tokens` or
+`max_model_len` is not scheduled again. Each scheduled step is recorded with its
+requests (the objects, not the ids), and `update_from_output` applies exactly that
+record: tokens of a request that ended or was preempted since are dropped, and a
+request that ended while a step of it was in flight keeps its blocks (detached from its
+id) until the last such step is applied. A preempted request's blocks are freed at
+once: the device runs steps in order, so whatever reuses them runs after the step in
+flight has written them.
+
 A request is never left to block the others: one that can never get a token scheduled
 (an empty prompt, a prompt of max_model_len tokens or more, more KV blocks than the
 whole pool, a prompt that cannot fit one step without chunked prefill) is ended with an
@@ -73,6 +86,18 @@ class _StepPlan:
             self.new_block_ids.pop(rid, None)
 
 
+class _Scheduled:
+    """One request of a scheduled step, as it was when scheduled."""
+
+    __slots__ = ("req", "computed_before", "samples", "preemptions")
+
+    def __init__(self, req: Request, computed_before: int, samples: bool) -> None:
+        self.req = req
+        self.computed_before = computed_before
+        self.samples = samples  # the step reaches the end of its tokens: it samples one
+        self.preemptions = req.num_preemptions
+
+
 class Scheduler:
     """Owns every unfinished request: `requests` by id, `waiting` (a queue under the
     policy) and `running` (in the order their tokens go into each batch)."""
@@ -86,6 +111,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # for the runner to forget, next step
         self.stats = SchedulerStats(num_blocks=kv_cache_manager.num_blocks)
         self._error_outputs: list[EngineCoreOutput] = []  # requests ended by `schedule()`
+        # Steps scheduled and not yet applied: id(SchedulerOutput) -> (it, its requests).
+        self._in_flight: dict[int, tuple[SchedulerOutput, list[_Scheduled]]] = {}
 
     # -- requests in and out -------------------------------------------------------
 
@@ -165,9 +192,20 @@ class Scheduler:
         )
 
     def _free(self, req: Request) -> None:
-        self.kv.free(req)
+        """Forgets an ended request (its id may be reused at once) and releases its
+        blocks, or holds them while a step of it is still in flight."""
+        blocks = self.kv.take_blocks(req)
+        if req.num_in_flight:
+            req.held_blocks = blocks
+        else:
+            self.kv.free_blocks(blocks)
         self.requests.pop(req.request_id, None)
         self.finished_req_ids.add(req.request_id)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps scheduled whose results `update_from_output` has not applied yet."""
+        return len(self._in_flight)
 
     def has_unfinished_requests(self) -> bool:
         """Whether `schedule()` has anyone to schedule (running or waiting)."""
@@ -201,14 +239,25 @@ class Scheduler:
         request that can never get a token (nothing left to compute, or more blocks
         than the whole pool while it runs alone) is ended with an error instead."""
         i = 0
+        max_len = self.config.max_model_len
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
+            pending = req.num_output_placeholders
+            if pending and (
+                req.num_output_tokens + pending >= req.max_tokens
+                or req.num_tokens + pending >= max_len
+            ):
+                i += 1  # its last token is on its way: nothing more to compute
+                continue
             n = self._num_new_tokens(req, req.num_computed_tokens, step.budget)
             if n <= 0:  # with budget left: it never will get a token
                 self._error_outputs.append(self._unschedulable(req, req.num_computed_tokens))
                 continue  # it left self.running: i is already the next one
             blocks = self.kv.allocate_slots(req, n)
             if blocks is None and len(self.running) == 1:
+                if pending:  # its step in flight ends first: its token is still due
+                    i += 1
+                    continue
                 # Alone, every other block is free: it needs more than the whole pool.
                 self._error_outputs.append(self._too_big_for_the_pool(req))
                 continue
@@ -249,6 +298,7 @@ class Scheduler:
         self.kv.free(victim)  # before num_computed_tokens is reset: see KVCacheManager.free
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.num_output_placeholders = 0  # a step in flight samples them: dropped
         victim.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.prepend(victim)
@@ -312,9 +362,10 @@ class Scheduler:
         )
 
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
-        """Tokens `req` may compute this step: the rest of its known tokens, capped by
-        the per-chunk threshold, the budget left and max_model_len."""
-        n = req.num_tokens - num_computed
+        """Tokens `req` may compute this step: the rest of its tokens (known, or being
+        sampled by a step in flight), capped by the per-chunk threshold, the budget left
+        and max_model_len."""
+        n = req.num_tokens + req.num_output_placeholders - num_computed
         threshold = self.config.long_prefill_token_threshold
         if threshold and n > threshold:
             n = threshold
@@ -323,8 +374,8 @@ class Scheduler:
     def _build_output(self, step: _StepPlan) -> SchedulerOutput:
         """The SchedulerOutput for the plan: full data for newly admitted (or resumed)
         requests, only what changed for the others. Advances each scheduled request's
-        `num_computed_tokens` and the step statistics, and hands over the ids the
-        runner must forget."""
+        `num_computed_tokens`, output placeholders and the step statistics, records the
+        step for `update_from_output`, and hands over the ids the runner must forget."""
         computed_before = step.computed_before
         new_data = [
             NewRequestData(
@@ -342,6 +393,7 @@ class Scheduler:
         new_block_ids = step.new_block_ids
         prefill = decode = 0
         chunked = False
+        scheduled = []
         for rid, n in step.num_tokens.items():
             req = self.requests[rid]
             before = computed_before[rid]
@@ -349,15 +401,21 @@ class Scheduler:
                 cached.req_ids.append(rid)
                 cached.new_block_ids.append(new_block_ids[rid])
                 cached.num_computed_tokens.append(before)
-            if n == 1 and req.num_output_tokens > 0 and before == req.num_tokens - 1:
+            pending = req.num_output_placeholders
+            known = req.num_tokens + pending
+            if n == 1 and req.num_output_tokens + pending > 0 and before == known - 1:
                 decode += 1
             else:
                 prefill += n
-                chunked |= before + n < req.num_tokens
+                chunked |= before + n < known
+            samples = before + n >= known
+            scheduled.append(_Scheduled(req, before, samples))
             req.num_computed_tokens = before + n
+            req.num_in_flight += 1
+            req.num_output_placeholders = pending + samples
         self._record_step(prefill, decode, chunked)
         finished, self.finished_req_ids = self.finished_req_ids, set()
-        return SchedulerOutput(
+        out = SchedulerOutput(
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=step.num_tokens,
@@ -366,6 +424,9 @@ class Scheduler:
             num_prefill_tokens=prefill,
             num_decode_tokens=decode,
         )
+        if scheduled:
+            self._in_flight[id(out)] = (out, scheduled)
+        return out
 
     def _record_step(self, prefill: int, decode: int, chunked: bool) -> None:
         s = self.stats
@@ -381,28 +442,35 @@ class Scheduler:
     def update_from_output(
         self, sched: SchedulerOutput, runner: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Applies the results of the step `sched` described. Returns one output per
+        """Applies the results of the step `sched` described (once: a step applied
+        already, or one that scheduled nothing, gives nothing). Returns one output per
         request that got tokens or prompt logprobs or finished, in batch order;
-        finished requests are freed (the runner hears of them next step). Requests
-        aborted or preempted since `sched` was made get nothing, even if a new request
-        took the id in the meantime."""
+        finished requests are freed (the runner hears of them next step). Requests that
+        ended or were preempted since `sched` was made get nothing, even if a new
+        request took the id in the meantime; blocks held for this step are released."""
+        record = self._in_flight.pop(id(sched), None)
+        if record is None:
+            return []
         outputs = []
-        requests, running = self.requests, RequestStatus.RUNNING
-        for rid, reason in runner.failed.items():
-            req = requests.get(rid)
-            if req is None or req.status != running:
-                continue
-            # Its step did not run: the blocks it was to fill hold nothing (and must not
-            # stay findable in the prefix cache).
-            req.num_computed_tokens -= sched.num_scheduled_tokens.get(rid, 0)
-            outputs.append(self._fail(req, ErrorKind.FAILED, reason))
-        for rid in sched.num_scheduled_tokens:
-            req = requests.get(rid)
-            if req is None or req.status != running:
-                continue
-            out = self._update_request(req, runner)
-            if out is not None:
-                outputs.append(out)
+        running, failed = RequestStatus.RUNNING, runner.failed
+        for entry in record[1]:
+            req = entry.req
+            req.num_in_flight -= 1
+            if req.status == running and req.num_preemptions == entry.preemptions:
+                req.num_output_placeholders -= entry.samples
+                reason = failed.get(req.request_id) if failed else None
+                if reason is not None:
+                    # Its step did not run: the blocks it was to fill hold nothing (and
+                    # must not stay findable in the prefix cache).
+                    req.num_computed_tokens = entry.computed_before
+                    outputs.append(self._fail(req, ErrorKind.FAILED, reason))
+                else:
+                    out = self._update_request(req, runner)
+                    if out is not None:
+                        outputs.append(out)
+            if not req.num_in_flight and req.held_blocks is not None:
+                self.kv.free_blocks(req.held_blocks)
+                req.held_blocks = None
         return outputs
 
     def _update_request(self, req: Request, runner: ModelRunnerOutput) -> EngineCoreOutput | None:

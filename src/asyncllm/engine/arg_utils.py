@@ -126,6 +126,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         ),
         policy=SchedulingPolicy(args.scheduling_policy),
         max_waiting_requests=args.max_waiting_requests,
+        async_scheduling=args.async_scheduling,
     )
     cache = CacheConfig(
         block_size=args.block_size,

@@ -1,16 +1,24 @@
-"""EngineCore: the scheduler, the KV cache manager and the executor, stepped together."""
+"""EngineCore: the scheduler, the KV cache manager and the executor, stepped together.
+
+With async scheduling (`async_scheduling=True`, the default) up to two steps are in
+flight: each `step()` schedules and launches the next step, then waits for the oldest
+one and applies its results, so the host schedules and prepares step N+1 (and sends
+step N's outputs) while the device runs it. Without it, each `step()` schedules, runs and
+applies one step.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 
 from asyncllm.config import EngineConfig
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.kv_cache_utils import make_block_hasher
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import Scheduler
-from asyncllm.executor.base import Executor
+from asyncllm.executor.base import Executor, StepFuture
 from asyncllm.executor.selector import get_executor_class
 from asyncllm.messages import (
     EngineCoreOutput,
@@ -21,6 +29,7 @@ from asyncllm.messages import (
     SchedulerStats,
 )
 from asyncllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from asyncllm.step_io import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +52,8 @@ class EngineCore:
             make_block_hasher(cache.block_size) if cache.enable_prefix_caching else None
         )
         self._pending_outputs: list[EngineCoreOutput] = []
+        self._depth = 2 if config.scheduler.async_scheduling else 1
+        self._in_flight: deque[tuple[SchedulerOutput, StepFuture]] = deque()
         vocab_size = getattr(config.model.hf_config, "vocab_size", None)
         self.vocab_size: int | None = int(vocab_size) if vocab_size is not None else None
 
@@ -137,7 +148,8 @@ class EngineCore:
             )
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to schedule, or steps in flight whose results are still to come."""
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def has_pending_outputs(self) -> bool:
         """Outputs that wait for the next step although nothing runs (aborts, refusals)."""
@@ -149,16 +161,25 @@ class EngineCore:
         nothing while requests are unfinished: a core loop that steps while
         `has_unfinished_requests()` would spin, sending empty outputs."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        if self.scheduler.has_unfinished_requests():
+        launched = False
+        # Launch steps until `_depth` are in flight (or nothing more can be scheduled),
+        # then apply the oldest: each call ends with one step's results.
+        while self.scheduler.has_unfinished_requests() and len(self._in_flight) < self._depth:
             sched = self.scheduler.schedule()
             outputs.extend(self.scheduler.take_error_outputs())
-            if not sched.is_empty or sched.finished_req_ids:
-                runner_out = self.executor.execute_model(sched)
-                outputs.extend(self.scheduler.update_from_output(sched, runner_out))
-            elif not outputs and self.scheduler.has_unfinished_requests():
-                # Nothing scheduled, ended or reported: the next step would be the same.
-                logger.warning("the scheduler made no progress; ending the request at its head")
-                outputs.extend(self.scheduler.fail_stalled())
+            if sched.is_empty:
+                if sched.finished_req_ids:  # only ids for the runner to forget
+                    self.executor.execute_model(sched)
+                break
+            self._in_flight.append((sched, self.executor.execute_model_async(sched)))
+            launched = True
+        if self._in_flight:
+            sched, future = self._in_flight.popleft()
+            outputs.extend(self.scheduler.update_from_output(sched, future.result()))
+        elif not launched and not outputs and self.scheduler.has_unfinished_requests():
+            # Nothing scheduled, ended or reported: the next step would be the same.
+            logger.warning("the scheduler made no progress; ending the request at its head")
+            outputs.extend(self.scheduler.fail_stalled())
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats())
 
     def get_stats(self) -> SchedulerStats:

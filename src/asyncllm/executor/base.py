@@ -3,9 +3,26 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 from asyncllm.config import EngineConfig
 from asyncllm.step_io import ModelRunnerOutput, SchedulerOutput
+
+
+class StepFuture(Protocol):
+    """A launched step: `result()` waits for it and returns its output (once)."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+class DoneStep:
+    """A step that already ran."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self.output = output
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
 
 
 class Executor(ABC):
@@ -20,6 +37,12 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
+        """Launches the step and returns before its results are known, where the
+        executor can (the engine schedules the next step meanwhile); by default it runs
+        the step to the end."""
+        return DoneStep(self.execute_model(scheduler_output))
 
     def shutdown(self) -> None:  # noqa: B027 (an optional hook)
         """Releases workers; the default has nothing to release."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from asyncllm.config import EngineConfig
-from asyncllm.executor.base import Executor
+from asyncllm.executor.base import Executor, StepFuture
 from asyncllm.step_io import ModelRunnerOutput, SchedulerOutput
 from asyncllm.worker.worker import Worker
 
@@ -22,6 +22,9 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
+        return self.worker.execute_model_async(scheduler_output)
 
     def shutdown(self) -> None:
         self.worker.shutdown()

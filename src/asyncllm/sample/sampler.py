@@ -3,9 +3,11 @@
 Order: raw logprobs (if asked) from the model's logits; then logit bias, min_tokens
 (EOS and stop tokens masked), repetition / presence / frequency penalties, user
 processors; then greedy argmax, or temperature, min-p, top-k, top-p and a draw.
-Random draws use the exponential-race trick (argmax of p / E with E ~ Exp(1)), one
-row of noise per request: seeded requests draw theirs from their own generator, so
-their tokens do not depend on what else is in the batch.
+Random draws use the exponential-race trick (argmax of p / E with E ~ Exp(1)), taken in
+log space, argmax(logits / T - log E), so no softmax is computed; one row of noise per
+request: seeded requests draw theirs from their own generator, so their tokens do not
+depend on what else is in the batch. A step with no greedy row computes no argmax of
+the raw logits.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class SamplingMetadata:
     temperature: torch.Tensor | None  # [B] float (greedy rows: 1.0); None if all_greedy
     is_greedy: torch.Tensor | None  # [B] bool; None if all_greedy
     all_greedy: bool
+    any_greedy: bool = True  # False: no row is greedy (no argmax of the raw logits)
     top_k: torch.Tensor | None = None  # [B] long, 0 = off
     top_p: torch.Tensor | None = None  # [B] float
     min_p: torch.Tensor | None = None  # [B] float
@@ -68,12 +71,15 @@ class Sampler:
         num_logprobs = md.max_num_logprobs
         raw_logprobs = logits.log_softmax(-1) if num_logprobs is not None else None
         logits = self.apply_penalties_and_processors(logits, md)
-        greedy = logits.argmax(-1)
         if md.all_greedy:
-            tokens = greedy
+            tokens = logits.argmax(-1)
         else:
-            assert md.is_greedy is not None, "a step that samples needs is_greedy"
-            tokens = torch.where(md.is_greedy, greedy, self.sample_random(logits, md))
+            drawn = self.sample_random(logits, md)
+            if md.any_greedy:
+                assert md.is_greedy is not None, "a step with greedy rows needs is_greedy"
+                tokens = torch.where(md.is_greedy, logits.argmax(-1), drawn)
+            else:
+                tokens = drawn
         out = SamplerOutput(token_ids=tokens)
         if raw_logprobs is not None and num_logprobs is not None:
             out.logprob_token_ids, out.logprobs, out.ranks = gather_logprobs(
@@ -113,8 +119,8 @@ class Sampler:
             logits = ops.apply_top_k(logits, md.top_k)
         if md.top_p is not None:
             logits = ops.apply_top_p(logits, md.top_p)
-        probs = logits.softmax(-1)
-        noise = torch.empty_like(probs).exponential_()
+        noise = torch.empty_like(logits).exponential_()
         for i, gen in md.generators.items():
             noise[i].exponential_(generator=gen)
-        return probs.div(noise).argmax(-1)
+        # argmax(softmax(l) / E) = argmax(l - log E): the softmax's normalizer is per row.
+        return logits.sub_(noise.log_()).argmax(-1)

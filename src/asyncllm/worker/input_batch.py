@@ -37,6 +37,8 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        # Tokens sampled by steps in flight, not in token_ids yet (async scheduling).
+        self.num_pending = np.zeros(max_num_reqs, dtype=np.int32)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
         self.requests: dict[str, CachedRequestState] = {}
@@ -66,6 +68,7 @@ class InputBatch:
         self.token_ids[row, : len(tokens)] = tokens  # raises for ids past int64
         self.num_tokens[row] = len(tokens)
         self.num_computed_tokens[row] = num_computed_tokens
+        self.num_pending[row] = 0
         self.num_blocks[row] = 0
         self.append_blocks(row, block_ids)
         self._free_rows.pop()

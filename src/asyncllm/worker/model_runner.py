@@ -11,6 +11,16 @@ Per step nothing allocates a tensor from a Python list: inputs go through the
 preallocated `StepBuffers`, sampling parameters and penalty state live per row on the
 device (`SamplingState`), and the sampled ids come back in one device-to-host copy.
 
+Async scheduling: `execute_model_async` queues the step and returns a `StepResult`
+before its tokens are known; the next step may be launched before `result()` is
+called. The sampled ids also stay on the device, by persistent row (`last_sampled`),
+and a decode whose input token is still being sampled by the step in flight gets it
+there by a device-side scatter (`InputBatch.num_pending` counts such tokens). Results
+are applied to the persistent batch in launch order, each once, and only to requests
+still in it (a row may have changed hands meanwhile). User logits processors read the
+requests' output ids, so a step with processors applies the results in flight before
+sampling (after its forward is queued).
+
 A bad value in one request never fails the step: each new request is checked (and its
 per-request state built) on its own, and one that cannot be taken is dropped from the
 batch and reported in `ModelRunnerOutput.failed`; if sampling still fails, each
@@ -21,6 +31,7 @@ request can be blamed for propagates (the engine dies).
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +128,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
         self.graph_logits: torch.Tensor | None = None  # [largest size, vocab] float32
+        # Each persistent row's last sampled token, on the device (async scheduling).
+        self.last_sampled = torch.zeros(sched.max_num_seqs, dtype=torch.int64, device=self.device)
+        self._in_flight: deque[StepResult] = deque()  # launched, results not applied
 
     def load_model(self) -> None:
         self.model = load_model(self.config.model, self.backend)
@@ -256,40 +270,53 @@ class ModelRunner:
 
     # -- the step ------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self.buffers.wait_until_writable()
-        try:
-            return self._execute(so)
-        finally:
-            self.buffers.step_queued()
+        """Runs the step and returns its results."""
+        return self.execute_model_async(so).result()
 
-    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    @torch.inference_mode()
+    def execute_model_async(self, so: SchedulerOutput) -> StepResult:
+        """Queues the step on the device; its `result()` waits for the tokens."""
+        result = self._launch(so)
+        self._in_flight.append(result)
+        return result
+
+    def _launch(self, so: SchedulerOutput) -> StepResult:
         failed = self._update_states(so)
+        batch = self.input_batch
         scheduled = so.num_scheduled_tokens
-        if failed:  # (the scheduler's own dict stays as it was)
-            scheduled = {rid: n for rid, n in scheduled.items() if rid not in failed}
+        if failed or not all(rid in batch.requests for rid in scheduled):
+            # (requests the runner could not take, now or in an earlier step: the
+            # scheduler ends them; its own dict stays as it was)
+            scheduled = {rid: n for rid, n in scheduled.items() if rid in batch.requests}
         if not scheduled:
-            return ModelRunnerOutput(sampled_token_ids={}, failed=failed)
+            return StepResult(self, [], failed, {}, None)
         inputs = self._prepare_inputs(scheduled)
         # Picked before sampling appends tokens: whether a request still owes prompt
         # logprobs depends on the tokens it had when the step began.
         prompt_rows = self._prompt_logprob_rows(inputs)
         hidden, logits = self._run_model(inputs, prompt_rows)
-        sampled, logprobs, sample_failed = self._sample(inputs, logits)
+        groups, sample_failed = self._sample(inputs, logits)
         del logits
         prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)
-        self.input_batch.num_computed_tokens[inputs.rows] = inputs.seq_lens  # now cached
+        batch.num_computed_tokens[inputs.rows] = inputs.seq_lens  # now cached
         for rid in sample_failed:
             self._drop(rid)
             prompt_logprobs.pop(rid, None)
         failed.update(sample_failed)
-        return ModelRunnerOutput(
-            sampled_token_ids=sampled,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            failed=failed,
-        )
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return StepResult(self, groups, failed, prompt_logprobs, done)
+
+    def _apply_through(self, result: StepResult | None) -> None:
+        """Applies the results in flight, oldest first, up to `result` (None: all)."""
+        while self._in_flight:
+            r = self._in_flight.popleft()
+            r.apply()
+            if r is result:
+                return
 
     def _drop(self, req_id: str) -> None:
         """Takes a request out of the persistent batch and the logits processors."""
@@ -314,10 +341,14 @@ class ModelRunner:
                 logger.warning("request %r failed in the model runner: %s", new.req_id, e)
                 failed[new.req_id] = f"the model runner could not take it: {type(e).__name__}: {e}"
         cached = so.scheduled_cached_reqs
+        requests = batch.requests
         for rid, blocks, computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
         ):
-            row = batch.requests[rid].row
+            state = requests.get(rid)
+            if state is None:
+                continue  # the runner could not take it in an earlier step
+            row = state.row
             if blocks:
                 batch.append_blocks(row, blocks)
             batch.num_computed_tokens[row] = computed
@@ -393,6 +424,7 @@ class ModelRunner:
         batch, buf = self.input_batch, self.buffers
         states = [batch.requests[r] for r in scheduled]
         S = len(states)
+        buf.wait_until_writable()
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=S)
         n = np.fromiter(scheduled.values(), dtype=np.int32, count=S)
         qsl = buf.query_start_loc.np[: S + 1]
@@ -411,9 +443,15 @@ class ModelRunner:
         bs = self.block_size
         buf.positions.np[:T] = pos
         buf.input_ids.np[:T] = batch.token_ids[tok_rows, pos]
+        # Tokens past the known ones are being sampled by the step in flight.
+        pending = np.nonzero(pos >= batch.num_tokens[tok_rows])[0]
+        buf.pending_at.np[: len(pending)] = pending
+        buf.pending_rows.np[: len(pending)] = tok_rows[pending]
         buf.slot_mapping.np[:T] = batch.block_table[tok_rows, pos // bs] * bs + pos % bs
         np.take(batch.block_table, rows, axis=0, out=buf.block_table.np[:S])
-        samples = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
+        samples = np.nonzero(seq_lens >= batch.num_tokens[rows] + batch.num_pending[rows])[0]
+        buf.sample_rows.np[: len(samples)] = rows[samples]
+        buf.logit_rows.np[: len(samples)] = qsl[1:][samples] - 1
         graph_size = None
         if T == S and len(samples) == S and self.capture_sizes:
             graph_size = padded_size(S, self.capture_sizes)
@@ -422,6 +460,11 @@ class ModelRunner:
             buf.copy_to_device(graph_size)
         else:
             buf.copy_to_device(S)
+        buf.step_queued()
+        if len(pending):
+            k = len(pending)
+            sampled = self.last_sampled.index_select(0, buf.pending_rows.device[:k])
+            buf.input_ids.device.index_copy_(0, buf.pending_at.device[:k], sampled)
         return StepInputs(
             states=states,
             rows=rows,
@@ -475,10 +518,7 @@ class ModelRunner:
         if len(inputs.samples) == T:
             last = hidden
         else:
-            sample_rows = inputs.query_start_loc[1:][inputs.samples] - 1
-            index = self.buffers.logit_rows
-            index.np[: len(sample_rows)] = sample_rows
-            last = hidden.index_select(0, index.copy_to_device(len(sample_rows)))
+            last = hidden.index_select(0, self.buffers.logit_rows.device[: len(inputs.samples)])
         return hidden, model.compute_logits(last).float()[: len(inputs.samples)]
 
     def _prompt_logprob_rows(self, inputs: StepInputs) -> list[PromptLogprobRows]:
@@ -506,54 +546,39 @@ class ModelRunner:
 
     def _sample(
         self, inputs: StepInputs, logits: torch.Tensor
-    ) -> tuple[dict[str, list[int]], dict[str, TokenLogprobs], dict[str, str]]:
-        """One token per sampling request (row k of `logits` is `inputs.samples[k]`),
-        appended to the persistent batch; with its logprobs where asked. If the batch
-        cannot be sampled, each request is sampled alone: those that fail alone are
-        returned (request id -> why) and get nothing; if all of them fail, the error is
-        the step's and is raised."""
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, TokenLogprobs] = {}
+    ) -> tuple[list[SampledGroup], dict[str, str]]:
+        """Queues the sampling of one token per sampling request (row k of `logits` is
+        `inputs.samples[k]`) and the copy of the tokens to the host. If the batch cannot
+        be sampled, each request is sampled alone: those that fail alone are returned
+        (request id -> why) and get nothing; if all of them fail, the error is the
+        step's and is raised."""
         failed: dict[str, str] = {}
         if not len(inputs.samples):
-            return sampled, logprobs, failed
+            return [], failed
+        if self.processors:  # they read the output ids: bring them up to date first
+            self._apply_through(None)
         states = [inputs.states[i] for i in inputs.samples]
         rows = inputs.rows[inputs.samples]
         try:
-            index = self.buffers.sample_rows
-            index.np[: len(rows)] = rows
-            results = [
-                (states, self._sample_rows(states, rows, index.copy_to_device(len(rows)), logits))
-            ]
+            rows_dev = self.buffers.sample_rows.device[: len(rows)]
+            groups = [self._sample_rows(states, rows, rows_dev, logits)]
         except Exception as batch_error:
-            results = []
+            groups = []
             for k, state in enumerate(states):
                 one = rows[k : k + 1]
                 try:
                     one_dev = torch.from_numpy(one).to(self.device)
-                    results.append(
-                        (
-                            [state],
-                            self._sample_rows([state], one, one_dev, logits[k : k + 1].clone()),
-                        )
+                    groups.append(
+                        self._sample_rows([state], one, one_dev, logits[k : k + 1].clone())
                     )
                 except Exception as e:  # noqa: BLE001 (tried alone: this request's fault)
                     failed[state.req_id] = f"sampling failed: {type(e).__name__}: {e}"
-            if not results:
+            if not groups:
                 raise batch_error
             logger.warning("requests failed in sampling, the rest of the batch went on: %s", failed)
-        for group, (tokens, top) in results:
-            for k, (state, token) in enumerate(zip(group, tokens)):
-                sampled[state.req_id] = [token]
-                want = state.sampling_params.logprobs
-                if want is not None:
-                    assert top is not None  # the sampler computes them when any row wants them
-                    ids, lps, ranks = top
-                    logprobs[state.req_id] = TokenLogprobs(
-                        [ids[k][: 1 + want]], [lps[k][: 1 + want]], [ranks[k]]
-                    )
-                self.input_batch.append_token(state, token)
-        return sampled, logprobs, failed
+        for g in groups:
+            self.input_batch.num_pending[g.rows] += 1
+        return groups, failed
 
     def _sample_rows(
         self,
@@ -561,24 +586,21 @@ class ModelRunner:
         rows: np.ndarray,
         rows_dev: torch.Tensor,
         logits: torch.Tensor,
-    ) -> tuple[list[int], tuple[list, list, list] | None]:
-        """Samples one token for each of `states` (persistent rows `rows`, row i of
-        `logits`): the tokens, and (ids, logprobs, ranks) lists if any wants logprobs."""
-        md = self.sampling.metadata(states, rows, rows_dev)
+    ) -> SampledGroup:
+        """Queues the sampling of one token for each of `states` (persistent rows `rows`,
+        row i of `logits`), with logprobs if any wants them, and their copies to the host."""
+        md = self.sampling.metadata(states, rows, rows_dev, self.input_batch.num_pending[rows])
         if self.processors:
             md.rows = rows.tolist()
         result = self.sampler(logits, md)
         self.sampling.record_sampled(rows, rows_dev, result.token_ids)
-        tokens = result.token_ids.tolist()  # the step's one device-to-host wait
+        self.last_sampled.index_copy_(0, rows_dev, result.token_ids)
         top = None
         if result.logprobs is not None:
             assert result.logprob_token_ids is not None and result.ranks is not None
-            top = (
-                result.logprob_token_ids.tolist(),
-                result.logprobs.tolist(),
-                result.ranks.tolist(),
-            )
-        return tokens, top
+            ids, lps, ranks = result.logprob_token_ids, result.logprobs, result.ranks
+            top = (_to_host(ids), _to_host(lps), _to_host(ranks))
+        return SampledGroup(states, rows, _to_host(result.token_ids), top)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor | None, prompt_rows: list[PromptLogprobRows]
@@ -604,3 +626,79 @@ class ModelRunner:
                 ranks += r.tolist()
             out[p.req_id] = TokenLogprobs(ids, lps, ranks)
         return out
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Queues a copy of a device tensor into pinned host memory (valid once the step's
+    event has completed); a CPU tensor is returned as it is."""
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+@dataclass
+class SampledGroup:
+    """Requests sampled together, and their results on their way to the host."""
+
+    states: list[CachedRequestState]
+    rows: np.ndarray
+    tokens: torch.Tensor  # [n] int64, host
+    top: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # ids, logprobs, ranks
+
+
+class StepResult:
+    """A launched step. `result()` waits for its tokens (and the steps launched before
+    it), applies them to the persistent batch once, and returns the step's output."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        groups: list[SampledGroup],
+        failed: dict[str, str],
+        prompt_logprobs: dict[str, TokenLogprobs],
+        done: torch.cuda.Event | None,
+    ) -> None:
+        self._runner = runner
+        self._groups = groups
+        self._done = done
+        self._output: ModelRunnerOutput | None = None
+        self._failed, self._prompt_logprobs = failed, prompt_logprobs
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            self._runner._apply_through(self)
+        assert self._output is not None
+        return self._output
+
+    def apply(self) -> None:
+        if self._output is not None:
+            return
+        if self._done is not None:
+            self._done.synchronize()
+        batch = self._runner.input_batch
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        for g in self._groups:
+            tokens = g.tokens.tolist()
+            top = [t.tolist() for t in g.top] if g.top is not None else None
+            for k, (state, token) in enumerate(zip(g.states, tokens)):
+                sampled[state.req_id] = [token]
+                want = state.sampling_params.logprobs
+                if want is not None:
+                    assert top is not None  # the sampler computes them when any row wants them
+                    ids, lps, ranks = top
+                    logprobs[state.req_id] = TokenLogprobs(
+                        [ids[k][: 1 + want]], [lps[k][: 1 + want]], [ranks[k]]
+                    )
+                if batch.requests.get(state.req_id) is state:  # (not dropped meanwhile)
+                    batch.append_token(state, token)
+                    batch.num_pending[state.row] -= 1
+        self._output = ModelRunnerOutput(
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            prompt_logprobs=self._prompt_logprobs,
+            failed=self._failed,
+        )
+        self._groups = []

@@ -39,7 +39,8 @@ class SamplingState:
         R = max_num_reqs
 
         def buf(dtype: torch.dtype) -> HostDeviceBuffer:
-            return HostDeviceBuffer((R,), dtype, device)
+            # Not pinned: rows are written while a step in flight may still be copying.
+            return HostDeviceBuffer((R,), dtype, device, pinned=False)
 
         self.temperature = buf(torch.float32)
         self.greedy = buf(torch.bool)
@@ -127,10 +128,15 @@ class SamplingState:
     # -- a step --------------------------------------------------------------------
 
     def metadata(
-        self, states: list[CachedRequestState], rows: np.ndarray, rows_dev: torch.Tensor
+        self,
+        states: list[CachedRequestState],
+        rows: np.ndarray,
+        rows_dev: torch.Tensor,
+        num_pending: np.ndarray,
     ) -> SamplingMetadata:
         """The sampling metadata of `states` (persistent rows `rows`, also on the device
-        as `rows_dev`), gathered from the per-row tensors."""
+        as `rows_dev`; `num_pending[i]`: tokens of states[i] sampled by a step in flight,
+        not in its output ids yet), gathered from the per-row tensors."""
         if self._dirty:
             for b in self._device_bufs:
                 b.copy_to_device(self.num_rows)
@@ -141,6 +147,7 @@ class SamplingState:
             temperature=None if all_greedy else self.temperature.device.index_select(0, rows_dev),
             is_greedy=None if all_greedy else self.greedy.device.index_select(0, rows_dev),
             all_greedy=all_greedy,
+            any_greedy=bool(greedy.any()),
         )
         random = ~greedy
         if (random & (self.top_k.np[rows] > 0)).any():
@@ -163,18 +170,20 @@ class SamplingState:
                 md.presence_penalty = self.presence_penalty.device.index_select(0, rows_dev)
                 md.frequency_penalty = self.frequency_penalty.device.index_select(0, rows_dev)
         for i in np.nonzero(self.needs_python[rows])[0].tolist():
-            self._python_params(md, i, states[i], len(states))
+            self._python_params(md, i, states[i], len(states), int(num_pending[i]))
         want = self.num_logprobs[rows]
         md.max_num_logprobs = int(want.max()) if (want >= 0).any() else None
         return md
 
     def _python_params(
-        self, md: SamplingMetadata, i: int, s: CachedRequestState, num_rows: int
+        self, md: SamplingMetadata, i: int, s: CachedRequestState, num_rows: int, pending: int
     ) -> None:
-        """The rare per-request parts: a seeded generator, a logit bias, min_tokens."""
+        """The rare per-request parts: a seeded generator, a logit bias, min_tokens (by
+        the position of the token this step samples)."""
         p = s.sampling_params
+        num_output = len(s.output_token_ids) + pending
         if p.seed is not None and s.generator is not None and not p.is_greedy:
-            s.generator.manual_seed(step_seed(p.seed, len(s.output_token_ids)))
+            s.generator.manual_seed(step_seed(p.seed, num_output))
             md.generators[i] = s.generator
         if p.logit_bias:
             if md.logit_bias is None:
@@ -182,7 +191,7 @@ class SamplingState:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
             vals = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
             md.logit_bias[i].index_put_((ids.to(self.device),), vals.to(self.device))
-        if len(s.output_token_ids) < p.min_tokens:
+        if num_output < p.min_tokens:
             blocked = list(p.stop_token_ids or ())
             eos = s.eos_token_id
             if eos is not None and not p.ignore_eos and 0 <= eos < self.vocab_size:

@@ -12,9 +12,12 @@ nowhere (slot -1), padded sequences have an empty chunk (their `query_start_loc`
 the last offset) and no keys (`seq_lens` 0), so a replay with fewer real requests than
 the captured size computes the same values for the real ones.
 
-The pinned host buffers are rewritten by the next step only once the copies that read
-them are done (`wait_until_writable`: at once after a step that waited for its sampled
-ids), and each buffer is written at most once a step.
+All of a step's small inputs are written in one go, before its copies are queued
+(`copy_to_device`, then `step_queued`); the next step rewrites the pinned host buffers
+only once those copies are done (`wait_until_writable`). With async scheduling the
+device is then still running the previous step's kernels, but its input copies ran
+before them. Buffers that are written while a step may still be reading them (the
+sampling parameters) are not pinned: a copy from pageable memory is staged at once.
 """
 
 from __future__ import annotations
@@ -28,9 +31,15 @@ import torch
 class HostDeviceBuffer:
     """A host tensor with its numpy view and a device twin of the same shape."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        pinned: bool = True,
+    ) -> None:
         on_cuda = device.type == "cuda"
-        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=on_cuda)
+        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=on_cuda and pinned)
         self.np: np.ndarray = self.cpu.numpy()
         self.device = torch.zeros(shape, dtype=dtype, device=device) if on_cuda else self.cpu
 
@@ -55,10 +64,12 @@ class StepBuffers:
     """Inputs of one step: T tokens of S sequences (T and S padded for graphs).
 
     The per-token arrays (input ids, positions, slot mapping) and the per-sequence ones
-    (query start offsets, sequence lengths) are views into one pinned byte arena with one
-    device twin, so a step sends them in a single copy of the whole arena (a few hundred
-    KB at most, well under a launch's worth of host time); each tensor copy costs tens of
-    µs of host time, and a step used to make six. The block table is copied on its own,
+    (query start offsets, sequence lengths, the hidden-state rows whose logits are
+    computed, the persistent-batch rows of the requests that sample, and where the
+    tokens still being sampled by the step in flight go) are views into one pinned byte
+    arena with one device twin, so a step sends them in a single copy of the whole
+    arena (a few hundred KB at most, well under a launch's worth of host time); each
+    tensor copy costs tens of µs of host time. The block table is copied on its own,
     only the rows in use."""
 
     def __init__(
@@ -72,6 +83,10 @@ class StepBuffers:
             ("slot_mapping", max_num_tokens, torch.int64),
             ("query_start_loc", max_num_seqs + 1, torch.int32),
             ("seq_lens", max_num_seqs, torch.int32),
+            ("logit_rows", max_num_seqs, torch.int64),
+            ("sample_rows", max_num_seqs, torch.int64),
+            ("pending_at", max_num_seqs, torch.int64),
+            ("pending_rows", max_num_seqs, torch.int64),
         ]
         offsets, nbytes = [], 0
         for _, n, dtype in layout:
@@ -93,22 +108,21 @@ class StepBuffers:
         self.slot_mapping = views["slot_mapping"]
         self.query_start_loc = views["query_start_loc"]
         self.seq_lens = views["seq_lens"]
+        self.logit_rows = views["logit_rows"]
+        self.sample_rows = views["sample_rows"]
+        self.pending_at = views["pending_at"]  # token index in the step
+        self.pending_rows = views["pending_rows"]  # the persistent row it comes from
         self.block_table = HostDeviceBuffer((max_num_seqs, max_blocks), torch.int32, device)
-        # Two index buffers, each written once a step: the hidden-state rows whose logits
-        # are computed, and the persistent-batch rows of the requests that sample.
-        self.logit_rows = HostDeviceBuffer((max_num_seqs,), torch.int64, device)
-        self.sample_rows = HostDeviceBuffer((max_num_seqs,), torch.int64, device)
         self._copies_done = torch.cuda.Event() if on_cuda else None
 
     def step_queued(self) -> None:
-        """Marks the end of a step's queued work (after its last copy from these buffers)."""
+        """Marks the end of a step's copies from these buffers."""
         if self._copies_done is not None:
             self._copies_done.record()
 
     def wait_until_writable(self) -> None:
         """Waits until the last step's copies have left the pinned host buffers, so they can
-        be rewritten. Steps that sampled already waited for their tokens, so this returns
-        at once; a step that sampled nothing (every request mid-prefill) did not."""
+        be rewritten (they run before that step's kernels, so this is short)."""
         if self._copies_done is not None:
             self._copies_done.synchronize()
 

@@ -2,12 +2,14 @@
 allocates the KV cache, captures the CUDA graphs, and runs steps through its model runner.
 
 KV cache size on CUDA (unless `num_gpu_blocks_override` or `kv_cache_memory_bytes` fix
-it): `gpu_memory_utilization` x total memory, minus what is in use once the model is
-loaded and the profile's persistent buffers exist (weights, CUDA context, other
-processes), minus the activation peak of a profiling step at the largest shapes, minus
+it): `gpu_memory_utilization` x total memory is this engine's share (as in vLLM, a
+per-instance limit: two engines on one GPU may take 0.4 each), minus what this engine
+holds once the model is loaded and the profile's persistent buffers exist (weights,
+buffers), minus the activation peak of a profiling step at the largest shapes, minus
 the estimated CUDA-graph pool (the peak of an eager decode step at the largest capture
 size; estimated before the KV cache exists because graphs bake in its addresses, and
-checked after capture). Never more than is free now.
+checked after capture). Never more than is free now (other engines and processes, and
+the CUDA context, are left what they hold).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from asyncllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from asyncllm.step_io import ModelRunnerOutput, SchedulerOutput
-from asyncllm.worker.model_runner import ModelRunner
+from asyncllm.worker.model_runner import ModelRunner, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,10 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.model.seed)
+        # What the process held before this engine (other engines in it, for one).
+        self._baseline = (
+            torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        )
         self.runner = ModelRunner(config)
         self.report = StartupReport()
 
@@ -62,7 +68,7 @@ class Worker:
         self.runner.load_model()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.report.weights_bytes = torch.cuda.memory_allocated(self.device)
+            self.report.weights_bytes = torch.cuda.memory_allocated(self.device) - self._baseline
         self.report.seconds["load weights"] = time.monotonic() - t0
 
     def determine_num_blocks(self) -> int:
@@ -111,17 +117,19 @@ class Worker:
         torch.cuda.empty_cache()
         r.seconds["memory profile"] = time.monotonic() - t0
         free, total = torch.cuda.mem_get_info(dev)
-        in_use = total - free  # weights, kept buffers, CUDA context, other processes
+        own = after - self._baseline  # this engine's weights and kept buffers
         util = self.config.cache.gpu_memory_utilization
-        budget = util * total - in_use - r.activation_peak_bytes - r.graph_estimate_bytes
+        budget = util * total - own - r.activation_peak_bytes - r.graph_estimate_bytes
         budget = min(budget, free - r.activation_peak_bytes - r.graph_estimate_bytes - FREE_MARGIN)
         logger.info(
             "memory: weights %.2f GiB, activation peak %.2f GiB, CUDA graphs (estimated) "
-            "%.2f GiB, in use %.2f of %.2f GiB; the KV cache may take %.2f GiB",
+            "%.2f GiB, this engine %.2f GiB, in use on the GPU %.2f of %.2f GiB; the KV "
+            "cache may take %.2f GiB",
             r.weights_bytes / 2**30,
             r.activation_peak_bytes / 2**30,
             r.graph_estimate_bytes / 2**30,
-            in_use / 2**30,
+            own / 2**30,
+            (total - free) / 2**30,
             total / 2**30,
             max(budget, 0) / 2**30,
         )
@@ -156,6 +164,9 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepResult:
+        return self.runner.execute_model_async(scheduler_output)
 
     def shutdown(self) -> None:
         """Releases the graphs, the KV cache and the model (device memory goes back at

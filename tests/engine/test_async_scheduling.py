@@ -1,0 +1,222 @@
+"""Async scheduling (step N+1 scheduled and launched before step N's tokens are known)
+gives the same outputs as one step at a time, on the CPU runner with a tiny random
+Llama in float32: greedy, seeded sampling with penalties, stop tokens, min_tokens,
+max_tokens, logprobs, a logits processor that reads the output ids, preemption and
+aborts; tokens past a stop never reach an output, and every block comes back."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import pytest
+
+from asyncllm.config import EngineArgs
+from asyncllm.engine.arg_utils import create_engine_config
+from asyncllm.engine.core import EngineCore
+from asyncllm.messages import EngineCoreOutput, EngineCoreRequest
+from asyncllm.sampling_params import SamplingParams
+from tests.model.tiny import make_tiny_model
+
+VOCAB = 384
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama-async")
+    make_tiny_model("llama3", folder)
+    return folder
+
+
+def _core(folder, async_scheduling: bool, **extra: Any) -> EngineCore:
+    args = dict(
+        model=str(folder),
+        device="cpu",
+        dtype="float32",
+        max_model_len=128,
+        skip_tokenizer_init=True,
+        num_gpu_blocks_override=256,
+        block_size=4,
+        async_scheduling=async_scheduling,
+    )
+    args.update(extra)
+    return EngineCore(create_engine_config(EngineArgs(**args)))  # type: ignore[arg-type]
+
+
+def _request(
+    rid: str, prompt: list[int], max_tokens: int, eos: int | None = None, **params: Any
+) -> EngineCoreRequest:
+    params.setdefault("ignore_eos", eos is None)
+    params.setdefault("temperature", 0.0)  # greedy unless told (seeded otherwise)
+    return EngineCoreRequest(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens, **params),
+        eos_token_id=eos,
+        max_tokens=max_tokens,
+        arrival_time=time.monotonic(),
+    )
+
+
+def _prompt(i: int, n: int) -> list[int]:
+    return [(i * 37 + 11 * j) % VOCAB for j in range(n)]
+
+
+def _run(
+    core: EngineCore, reqs: list[EngineCoreRequest], abort_after: dict[str, int] | None = None
+):
+    """Runs to the end; returns each request's outputs. `abort_after[rid] = k` aborts it
+    once it has k tokens."""
+    outs: dict[str, list[EngineCoreOutput]] = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        core.add_request(r)
+    for _ in range(2000):
+        if not core.has_unfinished_requests() and not core.has_pending_outputs():
+            break
+        for o in core.step().outputs:
+            assert not any(p.finish_reason for p in outs[o.request_id]), "output after the end"
+            outs[o.request_id].append(o)
+            n = sum(len(p.new_token_ids) for p in outs[o.request_id])
+            if abort_after and abort_after.get(o.request_id) == n and not o.finish_reason:
+                core.abort_requests([o.request_id])
+    assert not core.has_unfinished_requests()
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks  # every block back
+    assert core.scheduler.num_steps_in_flight == 0
+    return outs
+
+
+def _summary(outs: dict[str, list[EngineCoreOutput]]) -> dict[str, tuple]:
+    def one(os: list[EngineCoreOutput]) -> tuple:
+        tokens = [t for o in os for t in o.new_token_ids]
+        lps = [o.new_logprobs for o in os if o.new_logprobs is not None]
+        return tokens, os[-1].finish_reason, os[-1].stop_reason, lps
+
+    return {rid: one(os) for rid, os in outs.items()}
+
+
+def _both(folder, make_reqs, **extra: Any) -> tuple[dict, dict]:
+    results = []
+    for flag in (False, True):
+        core = _core(folder, flag, **extra)
+        try:
+            results.append(_summary(_run(core, make_reqs())))
+        finally:
+            core.shutdown()
+    return results[0], results[1]
+
+
+def _mixed_workload() -> list[EngineCoreRequest]:
+    reqs = []
+    for i in range(7):
+        extra: dict[str, Any] = {}
+        if i % 3 == 1:
+            extra = dict(temperature=0.8, seed=100 + i, top_k=40, repetition_penalty=1.2)
+        elif i % 3 == 2:
+            extra = dict(temperature=0.7, seed=200 + i, presence_penalty=0.5, frequency_penalty=0.3)
+        if i == 3:
+            extra["logprobs"] = 3
+        reqs.append(_request(f"m{i}", _prompt(i, 3 + 5 * i), 4 + 3 * i, **extra))
+    return reqs
+
+
+def test_greedy_seeded_penalties_and_logprobs_match(tiny_folder):
+    sync, asyn = _both(tiny_folder, _mixed_workload)
+    assert asyn == sync
+    assert any(s[3] for s in sync.values())  # logprobs were compared
+
+
+def test_tokens_past_a_stop_never_come_out(tiny_folder):
+    """Stop tokens (picked from the free run's output, so they do occur), EOS held back
+    by min_tokens, and max_tokens of 1 and 2: step N+1 already ran for these requests
+    when step N's stop was seen; its tokens are dropped."""
+    core = _core(tiny_folder, False)
+    free = _summary(_run(core, [_request(f"f{i}", _prompt(i, 9), 12) for i in range(4)]))
+    core.shutdown()
+    seqs = [free[f"f{i}"][0] for i in range(4)]
+
+    def reqs() -> list[EngineCoreRequest]:
+        return [
+            _request("stop", _prompt(0, 9), 12, stop_token_ids=[seqs[0][4]]),
+            _request("eos", _prompt(1, 9), 12, eos=seqs[1][1]),
+            _request("min", _prompt(2, 9), 12, eos=seqs[2][0], min_tokens=3),
+            _request("one", _prompt(3, 9), 1),
+            _request("two", _prompt(3, 9), 2),
+        ]
+
+    sync, asyn = _both(tiny_folder, reqs)
+    assert asyn == sync
+    assert sync["stop"][0] == seqs[0][: seqs[0].index(seqs[0][4]) + 1]
+    assert sync["stop"][1:3] == ("stop", seqs[0][4])
+    assert sync["eos"][0] == seqs[1][: seqs[1].index(seqs[1][1]) + 1]
+    assert len(sync["min"][0]) >= 3 and sync["min"][1] in ("stop", "length")
+    assert [len(sync["one"][0]), len(sync["two"][0])] == [1, 2]
+
+
+def test_a_logits_processor_sees_every_earlier_token(tiny_folder):
+    def reqs() -> list[EngineCoreRequest]:
+        return [
+            _request(f"n{i}", _prompt(i, 5 + i), 10, extra_args={"no_repeat": True})
+            for i in range(3)
+        ]
+
+    sync, asyn = _both(tiny_folder, reqs, logits_processors=["tests.engine.processors:NoRepeat"])
+    assert asyn == sync
+    for tokens, *_ in sync.values():
+        assert all(a != b for a, b in zip(tokens, tokens[1:]))
+
+
+def test_preemption_while_a_step_is_in_flight(tiny_folder):
+    """A pool too small for every request at once: requests are preempted (with a step
+    of theirs in flight, under async) and resumed; same tokens, every block back."""
+
+    def reqs() -> list[EngineCoreRequest]:
+        return [_request(f"p{i}", _prompt(i, 20 + 3 * i), 24) for i in range(6)]
+
+    sync, asyn = _both(tiny_folder, reqs, num_gpu_blocks_override=40)
+    assert asyn == sync
+    core = _core(tiny_folder, True, num_gpu_blocks_override=40)
+    _run(core, reqs())
+    assert core.scheduler.stats.num_preemptions > 0
+    core.shutdown()
+
+
+def test_an_abort_with_a_step_in_flight_holds_its_blocks_until_the_step_ends(tiny_folder):
+    core = _core(tiny_folder, True)
+    req = _request("a", _prompt(0, 10), 50)
+    core.add_request(req)
+    core.step()  # launches the prefill and the first decode; applies the prefill
+    core.step()  # launches the second decode; applies the first
+    assert core.scheduler.num_steps_in_flight == 1
+    held = core.num_blocks - core.kv_cache_manager.num_free_blocks
+    assert held > 0
+    core.abort_requests(["a"])
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks - held  # still held
+    (aborted,) = core.step().outputs  # the step in flight ends: its token is dropped
+    assert (aborted.new_token_ids, aborted.finish_reason) == ([], "abort")
+    assert not core.has_unfinished_requests()
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks
+    again = _request("a", _prompt(1, 10), 3)
+    outs = _run(core, [again])
+    assert [o.finish_reason for o in outs["a"] if o.finish_reason][-1] == "length"
+    assert sum(len(o.new_token_ids) for o in outs["a"]) == 3
+    core.shutdown()
+
+
+def test_aborts_mid_stream_match(tiny_folder):
+    def reqs() -> list[EngineCoreRequest]:
+        return [_request(f"x{i}", _prompt(i, 7), 20) for i in range(4)]
+
+    results = []
+    for flag in (False, True):
+        core = _core(tiny_folder, flag)
+        outs = _run(core, reqs(), abort_after={"x1": 3, "x2": 1})
+        results.append({rid: [t for o in os for t in o.new_token_ids] for rid, os in outs.items()})
+        core.shutdown()
+    sync, asyn = results
+    assert len(sync["x0"]) == len(sync["x3"]) == 20
+    # The abort lands while the next step is in flight: its token is dropped.
+    for rid, k in (("x1", 3), ("x2", 1)):
+        assert sync[rid] == asyn[rid] == sync[rid][:k]
+    assert sync["x0"] == asyn["x0"] and sync["x3"] == asyn["x3"]
