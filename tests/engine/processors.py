@@ -62,3 +62,30 @@ class NoRepeat(LogitsProcessor):
             if out:
                 logits[i, out[-1]] = float("-inf")
         return logits
+
+
+class RecordLogits(LogitsProcessor):
+    """Changes nothing; keeps each logits row it sees (float32, on the host), keyed by
+    the request's prompt and how many tokens it had produced: two engines' logits for
+    the same positions can then be compared."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        super().__init__(vocab_size, device)
+        self.requests: dict[int, tuple[tuple[int, ...], list[int]]] = {}
+        self.logits: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # (so that greedy steps call it too)
+
+    def add_request(self, row, params, prompt_ids, output_ids) -> None:
+        self.requests[row] = (tuple(prompt_ids), output_ids)
+
+    def remove_request(self, row: int) -> None:
+        self.requests.pop(row, None)
+
+    def apply(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        host = logits.float().cpu()
+        for i, row in enumerate(rows):
+            prompt, output = self.requests[row]
+            self.logits[(prompt, len(output))] = host[i].clone()
+        return logits
