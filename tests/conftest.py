@@ -11,6 +11,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", str(min(4, os.cpu_count() or 1)))
 # Converted models are shared by all runs of the suite on this checkout.
 os.environ.setdefault("ASYNCLLM_CACHE", str(ROOT / ".cache" / "asyncllm-test"))
+# Dozens of engines start in one test process: a full collection at each start would
+# cost seconds in all (test_frontend.py checks the freeze itself).
+os.environ.setdefault("ASYNCLLM_GC_FREEZE", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -7,6 +7,9 @@ so a test or a host that sets a variable before starting an engine is heard.
 - `ASYNCLLM_CPU_PACKING`: `0` turns off prepacked oneDNN weights for float32 on the CPU
   (default `1`).
 - `ASYNCLLM_LOG_LEVEL`: the engine-core process's logging level (default `WARNING`).
+- `ASYNCLLM_GC_FREEZE`: `0` keeps the objects start-up leaves (torch's, transformers',
+  the model's) in the garbage collector's generations; by default they are frozen once
+  an engine has started, so full collections no longer walk them (default `1`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-VARIABLES = ("ASYNCLLM_CACHE", "ASYNCLLM_CPU_PACKING", "ASYNCLLM_LOG_LEVEL")
+VARIABLES = ("ASYNCLLM_CACHE", "ASYNCLLM_CPU_PACKING", "ASYNCLLM_LOG_LEVEL", "ASYNCLLM_GC_FREEZE")
 
 
 def cache_root() -> Path:
@@ -29,3 +32,12 @@ def cpu_packing_enabled() -> bool:
 
 def log_level() -> str:
     return os.environ.get("ASYNCLLM_LOG_LEVEL", "WARNING").upper()
+
+
+def cache_env(path: str) -> dict[str, str]:
+    """The environment entry that points a child process's cache at `path`."""
+    return {"ASYNCLLM_CACHE": path}
+
+
+def gc_freeze_enabled() -> bool:
+    return os.environ.get("ASYNCLLM_GC_FREEZE", "1") != "0"

@@ -60,6 +60,7 @@ class EngineReady(msgspec.Struct, kw_only=True):
     num_blocks: int
     block_size: int
     vocab_size: int
+    startup_seconds: dict[str, float] = {}  # the core's start-up, by stage
 
 
 class DeadKind(enum.StrEnum):

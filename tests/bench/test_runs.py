@@ -98,3 +98,28 @@ def test_step_profile(capsys, engine_flags, tmp_path):
     import pstats
 
     assert pstats.Stats(str(stats)).total_calls > 0
+
+
+def test_startup(capsys, engine_flags):
+    """A warm start in a fresh interpreter, every stage measured."""
+    from asyncllm.bench import startup
+
+    result = startup.main(engine_flags)
+    assert last_json_line(capsys) == result
+    run = result["runs"]["warm start"]
+    stages = run["stages"]
+    for name in (
+        "from asyncllm import AsyncLLM",
+        "host: engine config",
+        "host: tokenizer and frontend",
+        "AsyncLLM.start()",
+        "core: engine config",
+        "core: load weights",
+        "core: allocate KV cache",
+        "core: process start, imports, messages",
+        "first request: first token",
+    ):
+        assert stages[name] > 0, name
+    assert stages["first request: 16 tokens"] >= stages["first request: first token"]
+    assert stages["AsyncLLM.start()"] > stages["core: load weights"]
+    assert run["loop_lag_ms_max"] >= run["loop_lag_ms_p99"] >= 0

@@ -12,12 +12,10 @@ from typing import Any
 
 import pytest
 
-from asyncllm.config import EngineArgs
-from asyncllm.engine.arg_utils import create_engine_config
 from asyncllm.engine.core import EngineCore
 from asyncllm.messages import EngineCoreOutput, EngineCoreRequest
 from asyncllm.sampling_params import SamplingParams
-from tests.model.tiny import make_tiny_model
+from tests.model.tiny import make_tiny_model, tiny_engine_core
 
 VOCAB = 384
 _ids = itertools.count()
@@ -31,18 +29,7 @@ def tiny_folder(tmp_path_factory):
 
 
 def _core(folder, async_scheduling: bool, **extra: Any) -> EngineCore:
-    args = dict(
-        model=str(folder),
-        device="cpu",
-        dtype="float32",
-        max_model_len=128,
-        skip_tokenizer_init=True,
-        num_gpu_blocks_override=256,
-        block_size=4,
-        async_scheduling=async_scheduling,
-    )
-    args.update(extra)
-    return EngineCore(create_engine_config(EngineArgs(**args)))  # type: ignore[arg-type]
+    return tiny_engine_core(folder, block_size=4, async_scheduling=async_scheduling, **extra)
 
 
 def _request(

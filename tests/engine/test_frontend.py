@@ -311,3 +311,91 @@ def test_llm_start_up_failures_are_startup_errors_with_their_cause(multiprocess)
     with pytest.raises(EngineStartupError, match="no/such/model") as info:
         LLM(model="/no/such/model", device="cpu", multiprocess=multiprocess)
     assert isinstance(info.value.__cause__, FileNotFoundError)
+
+
+class _CountingTokenizer:
+    """The real tokenizer, counting the texts it is asked to tokenize."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.tokenizer(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_text_no_tokenization_could_fit_is_refused_without_tokenizing(instant, monkeypatch):
+    """Refused at once past max_model_len x the longest vocabulary entry's bytes; text at
+    exactly that many bytes is tokenized (it might fit), then judged by its tokens."""
+    ip = instant.engine.frontend.input_processor
+    counting = _CountingTokenizer(ip.tokenizer)
+    monkeypatch.setattr(ip, "tokenizer", counting)
+    limit = ip.max_model_len * ip.max_token_bytes()
+    assert ip.max_token_bytes() >= 8  # a real vocabulary has long entries
+    params = SamplingParams(max_tokens=1)
+    with pytest.raises(ValueError, match="bytes of text"):
+        instant.generate("é" * (limit // 2 + 1), params, use_tqdm=False)  # 2 bytes a char
+    assert counting.calls == 0
+    with pytest.raises(ValueError, match="max_model_len"):
+        instant.generate("a" * limit, params, use_tqdm=False)
+    assert counting.calls == 1
+    (out,) = instant.generate("a " * 100, params, use_tqdm=False)  # fits
+    assert len(out.outputs[0].token_ids) == 1 and counting.calls == 2
+
+
+def test_llm_made_inside_a_running_event_loop_warns():
+    async def make_one() -> None:
+        with pytest.warns(RuntimeWarning, match="AsyncLLM"):
+            llm = _llm()
+        llm.shutdown()
+
+    asyncio.run(make_one())
+
+
+async def test_async_llm_sets_requests_up_off_the_loop():
+    """Text prompts are tokenized, and chat templates rendered, in the setup thread; a
+    prompt of token ids needs neither."""
+    import threading
+
+    async with AsyncLLM(**INSTANT) as llm:
+        frontend = llm.frontend
+        threads: list[str] = []
+        tokenize, chat_prompt = frontend.tokenize_prompt, frontend.chat_prompt
+
+        def spy(fn):
+            def wrapped(*args, **kwargs):
+                threads.append(threading.current_thread().name)
+                return fn(*args, **kwargs)
+
+            return wrapped
+
+        frontend.tokenize_prompt = spy(tokenize)
+        frontend.chat_prompt = spy(chat_prompt)
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        async for _ in llm.generate("Hello there", params):
+            pass
+        async for _ in llm.chat([{"role": "user", "content": "Hi"}], params):
+            pass
+        async for _ in llm.generate([1, 2, 3], params):
+            pass
+        assert len(threads) == 2 and all(t.startswith("asyncllm-setup") for t in threads)
+        with pytest.raises(ValueError, match="prompt must not be empty"):  # still raised
+            async for _ in llm.generate("", params):
+                pass
+
+
+def test_start_up_objects_are_frozen_while_an_engine_runs(monkeypatch):
+    import gc
+
+    monkeypatch.setenv("ASYNCLLM_GC_FREEZE", "1")
+    gc.unfreeze()
+    with _llm() as llm:
+        assert gc.get_freeze_count() > 10_000  # torch's, transformers', the tokenizer's
+        llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert gc.get_freeze_count() == 0  # collected as usual again
+    monkeypatch.setenv("ASYNCLLM_GC_FREEZE", "0")
+    with _llm():
+        assert gc.get_freeze_count() == 0

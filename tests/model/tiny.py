@@ -73,3 +73,22 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **save_kwargs):
 
 
 ARCHS = ["llama3", "mistral", "qwen2", "qwen3"]
+
+
+def tiny_engine_core(folder: Path, **extra):
+    """An EngineCore on the CPU over a tiny model folder: float32, max_model_len 128, no
+    tokenizer, 256 KV blocks; `extra` overrides any EngineArgs field."""
+    from asyncllm.config import EngineArgs
+    from asyncllm.engine.arg_utils import create_engine_config
+    from asyncllm.engine.core import EngineCore
+
+    args = dict(
+        model=str(folder),
+        device="cpu",
+        dtype="float32",
+        max_model_len=128,
+        skip_tokenizer_init=True,
+        num_gpu_blocks_override=256,
+    )
+    args.update(extra)
+    return EngineCore(create_engine_config(EngineArgs(**args)))

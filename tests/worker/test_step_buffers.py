@@ -18,7 +18,7 @@ from asyncllm.engine.core import EngineCore
 from asyncllm.messages import EngineCoreRequest
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker.step_buffers import StepBuffers, padded_size
-from tests.model.tiny import make_tiny_model
+from tests.model.tiny import make_tiny_model, tiny_engine_core
 
 VOCAB = 384
 _ids = itertools.count()
@@ -90,16 +90,7 @@ def tiny_folder(tmp_path_factory):
 
 
 def _core(folder, **extra: Any) -> EngineCore:
-    args = EngineArgs(
-        model=str(folder),
-        device="cpu",
-        dtype="float32",
-        max_model_len=128,
-        skip_tokenizer_init=True,
-        num_gpu_blocks_override=256,
-        **extra,
-    )
-    return EngineCore(create_engine_config(args))
+    return tiny_engine_core(folder, **extra)
 
 
 def _request(prompt: list[int], max_tokens: int, **params: Any) -> EngineCoreRequest:

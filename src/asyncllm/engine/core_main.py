@@ -26,6 +26,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 import zmq
@@ -34,6 +35,7 @@ from asyncllm import envs
 from asyncllm.config import EngineArgs
 from asyncllm.engine.arg_utils import create_engine_config
 from asyncllm.engine.core import EngineCore
+from asyncllm.engine.heap import freeze_startup_objects, unfreeze_objects
 from asyncllm.engine.host_launcher import remove_private_ipc_dir
 from asyncllm.engine.serial import Decoder, Encoder
 from asyncllm.messages import (
@@ -141,9 +143,15 @@ class EngineCoreProc:
         if not isinstance(startup, EngineStartup):
             raise RuntimeError(f"expected the engine arguments first, got {kind.name}")
         try:
+            t0 = time.monotonic()
             engine_args: dict[str, Any] = dict(startup.engine_args)
             config = create_engine_config(EngineArgs(**engine_args))
+            t1 = time.monotonic()
             core = self.core = EngineCore(config)
+            stages = {"core: engine config": t1 - t0}
+            worker = core.executor.startup_seconds()
+            stages.update({f"core: {k}": v for k, v in worker.items()})
+            stages["core: the rest of EngineCore()"] = time.monotonic() - t1 - sum(worker.values())
         except _Stop:
             raise
         except BaseException as e:  # noqa: BLE001 (every failure goes to the client)
@@ -166,6 +174,7 @@ class EngineCoreProc:
                 num_blocks=core.num_blocks,
                 block_size=config.cache.block_size,
                 vocab_size=int(config.model.hf_config.vocab_size),
+                startup_seconds=stages,
             )
         )
         return core
@@ -176,7 +185,9 @@ class EngineCoreProc:
         self._runner = threading.current_thread()
         code = 0
         try:
-            self.run_busy_loop(self.start())
+            core = self.start()
+            freeze_startup_objects()
+            self.run_busy_loop(core)
         except _Stop as e:
             self.report_death(DeadKind.STOPPED, f"engine core stopped by {e}")
         except _Reported:
@@ -189,6 +200,7 @@ class EngineCoreProc:
             try:
                 self.shutdown()
             finally:
+                unfreeze_objects()
                 self.remove_ipc_dir()
         return code
 

@@ -9,6 +9,7 @@ from typing import Any
 from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.arg_utils import create_engine_config
 from asyncllm.engine.core_client import EngineCoreClient, SyncMPClient
+from asyncllm.engine.heap import freeze_startup_objects, unfreeze_objects
 from asyncllm.errors import EngineStartupError
 from asyncllm.frontend.frontend import Frontend
 from asyncllm.frontend.input_processor import PromptType
@@ -51,6 +52,7 @@ class LLMEngine:
             raise  # (the client's own: already says why)
         except Exception as e:
             raise startup_error(e) from e
+        freeze_startup_objects()
         return cls(config, frontend, client)
 
     def get_tokenizer(self) -> Any | None:
@@ -65,10 +67,10 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         priority: int = 0,
-        prompt_ids: list[int] | None = None,
+        tokenized: tuple[str | None, list[int]] | None = None,
     ) -> None:
         """Validates and queues a request; n > 1 becomes n child requests in the core."""
-        for req in self.frontend.add_request(request_id, prompt, params, priority, prompt_ids):
+        for req in self.frontend.add_request(request_id, prompt, params, priority, tokenized):
             self.client.add_request(req)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -99,4 +101,7 @@ class LLMEngine:
         return self.client.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        self.client.shutdown()
+        try:
+            self.client.shutdown()
+        finally:
+            unfreeze_objects()

@@ -5,22 +5,33 @@
             print(out.outputs[0].delta, end="", flush=True)
 
 Everything that blocks (resolving and converting the model, loading the tokenizer,
-waiting for the core to load the model) runs off the event loop, so a host's other
-tasks keep running. Leaving an `async for` early, cancelling its task or a timeout
-aborts that request in the core. If the core dies, every pending generator raises
-EngineDeadError and later calls raise it at once.
+waiting for the core to load the model, tokenizing a text prompt, rendering a chat
+template) runs off the event loop, so a host's other tasks keep running: requests are
+tokenized in order by one worker thread. Leaving an `async for` early (`break`, or a
+generator closed by `contextlib.aclosing` or collected), cancelling its task or a
+timeout aborts that request in the core. If the core dies, every pending generator
+raises EngineDeadError and later calls raise it at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
 
+# transformers comes with AsyncLLM (an application imports it before its loop runs):
+# imported by `start()`'s worker thread instead, its imports (torch.distributed, sympy,
+# tokenizers' extension; a config class pulls in most of them) hold the GIL, and the
+# loop, for up to hundreds of ms at a time.
+import transformers.activations  # noqa: F401
+from transformers import AutoConfig, AutoTokenizer  # noqa: F401
+
 from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.core_client import AsyncMPClient
+from asyncllm.engine.heap import freeze_startup_objects, unfreeze_objects
 from asyncllm.engine.llm_engine import create_host_side, startup_error
 from asyncllm.errors import EngineDeadError, EngineStartupError
 from asyncllm.frontend.chat import Messages
@@ -45,6 +56,7 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: str | None = None
         self._closed = False
+        self._setup: ThreadPoolExecutor | None = None  # tokenization, chat templates
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
@@ -81,6 +93,8 @@ class AsyncLLM:
             raise
         self.client = client
         client.run_output_handler(self._on_outputs, self._on_dead)
+        self._setup = ThreadPoolExecutor(1, thread_name_prefix="asyncllm-setup")
+        freeze_startup_objects(collect=False)  # (on the loop: no full collection)
         return self
 
     async def __aenter__(self) -> AsyncLLM:
@@ -94,8 +108,13 @@ class AsyncLLM:
             return
         self._closed = True
         self._fail_all(EngineDeadError("the engine was shut down"))
-        if self.client is not None:
-            await self.client.shutdown()
+        try:
+            if self.client is not None:
+                await self.client.shutdown()
+        finally:
+            if self._setup is not None:
+                self._setup.shutdown(wait=False)
+            unfreeze_objects()
 
     @property
     def is_running(self) -> bool:
@@ -178,7 +197,11 @@ class AsyncLLM:
         if request_id in self._collectors:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = frontend.check_params(sampling_params)
-        core_reqs = frontend.add_request(request_id, prompt, params, priority)
+        tokenized = None
+        if _is_text(prompt):
+            tokenized = await self._off_loop(frontend.tokenize_prompt, prompt)
+            frontend, client = self._check_usable()  # (it may have died meanwhile)
+        core_reqs = frontend.add_request(request_id, prompt, params, priority, tokenized)
         collector = RequestOutputCollector(params.output_kind)
         self._collectors[request_id] = collector
         finished = False
@@ -205,9 +228,16 @@ class AsyncLLM:
     ) -> AsyncGenerator[RequestOutput, None]:
         """One conversation through the tokenizer's chat template, streamed."""
         frontend, _ = self._check_usable()
-        prompt = frontend.chat_prompt(messages, add_generation_prompt, chat_template_kwargs)
+        prompt = await self._off_loop(
+            frontend.chat_prompt, messages, add_generation_prompt, chat_template_kwargs
+        )
         async for out in self.generate(prompt, sampling_params, request_id, priority):
             yield out
+
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        """Runs request setup (tokenization, a chat template) in the setup thread."""
+        assert self._loop is not None and self._setup is not None  # (_check_usable passed)
+        return await self._loop.run_in_executor(self._setup, fn, *args)
 
     def _abort_now(self, request_id: str) -> None:
         """Forgets the request here and tells the core; never blocks, never raises."""
@@ -262,3 +292,10 @@ class AsyncLLM:
 
 
 __all__ = ["AsyncLLM"]
+
+
+def _is_text(prompt: Any) -> bool:
+    """Whether a prompt needs the tokenizer (text, not token ids)."""
+    if isinstance(prompt, dict):
+        return "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str)
+    return isinstance(prompt, str)

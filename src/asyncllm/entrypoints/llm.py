@@ -2,10 +2,16 @@
 
 The engine core runs in its own process (as vLLM's LLM does); `multiprocess=False`
 keeps it in this process, for debugging with a plain traceback and breakpoints.
+
+`LLM` blocks its caller (start-up for seconds, `generate` until every output is done):
+made inside a running event loop (a notebook, an async web handler) it stalls that loop,
+so it warns (`RuntimeWarning`) and points to `AsyncLLM`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +36,19 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     )
 
 
+def _warn_in_running_loop(what: str) -> None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    warnings.warn(
+        f"{what} blocks the running event loop (start-up takes seconds, generate() until "
+        "every output is done); in async code use AsyncLLM, or run LLM in a thread",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 class LLM:
     def __init__(
         self, model: str | None = None, *, multiprocess: bool = True, **engine_args: Any
@@ -40,7 +59,9 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         client = SyncMPClient if multiprocess else InprocClient
-        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args), client)
+        args = EngineArgs(model=model, **engine_args)
+        _warn_in_running_loop("LLM()")
+        self.engine = LLMEngine.from_engine_args(args, client)
 
     def get_tokenizer(self) -> Any:
         return self.engine.get_tokenizer()
@@ -53,6 +74,7 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. Every prompt is checked before any runs."""
+        _warn_in_running_loop("LLM.generate()")
         prompt_list = _as_prompt_list(prompts)
         if isinstance(sampling_params, list | tuple):
             if len(sampling_params) != len(prompt_list):
@@ -68,17 +90,16 @@ class LLM:
         checked = []
         for prompt, params in zip(prompt_list, params_list):
             params = frontend.check_params(params).clone(output_kind=RequestOutputKind.FINAL_ONLY)
-            _, ids = frontend.tokenize_prompt(prompt)
-            checked.append((prompt, ids, params))
+            checked.append((prompt, frontend.tokenize_prompt(prompt), params))
         return self._run(checked, priority, use_tqdm)
 
     def _run(self, checked, priority, use_tqdm: bool) -> list[RequestOutput]:
         ids = []
         try:
-            for i, (prompt, prompt_ids, params) in enumerate(checked):
+            for i, (prompt, tokenized, params) in enumerate(checked):
                 rid = self.engine.next_request_id()
                 self.engine.add_request(
-                    rid, prompt, params, priority[i] if priority else 0, prompt_ids
+                    rid, prompt, params, priority[i] if priority else 0, tokenized
                 )
                 ids.append(rid)
             results: dict[str, RequestOutput] = {}

@@ -44,5 +44,9 @@ class Executor(ABC):
         the step to the end."""
         return DoneStep(self.execute_model(scheduler_output))
 
+    def startup_seconds(self) -> dict[str, float]:
+        """The worker's start-up stages (stage -> seconds), where it measured them."""
+        return {}
+
     def shutdown(self) -> None:  # noqa: B027 (an optional hook)
         """Releases workers; the default has nothing to release."""

@@ -26,5 +26,8 @@ class UniProcExecutor(Executor):
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
         return self.worker.execute_model_async(scheduler_output)
 
+    def startup_seconds(self) -> dict[str, float]:
+        return dict(self.worker.report.seconds)
+
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -102,10 +102,11 @@ class Frontend:
         prompt: PromptType,
         params: SamplingParams | None,
         priority: int = 0,
-        prompt_ids: list[int] | None = None,
+        tokenized: tuple[str | None, list[int]] | None = None,
     ) -> list[EngineCoreRequest]:
         """Checks everything, registers the request's state, and returns the core requests
-        to send: one, or n children that share the prompt and its cached blocks. Raises
+        to send: one, or n children that share the prompt and its cached blocks.
+        `tokenized` is `tokenize_prompt(prompt)` when the caller has it already. Raises
         ValueError/TypeError (naming the field) before anything is registered."""
         if not isinstance(request_id, str) or not request_id:
             raise TypeError("request_id must be a non-empty str")
@@ -113,9 +114,7 @@ class Frontend:
             raise ValueError(f"request id {request_id!r} is already in use")
         ip, op = self.input_processor, self.output_processor
         params = ip.check_params(params)
-        prompt_text = prompt if isinstance(prompt, str) else None
-        if prompt_ids is None:
-            prompt_text, prompt_ids = ip.tokenize_prompt(prompt)
+        prompt_text, prompt_ids = tokenized or ip.tokenize_prompt(prompt)
         if params.n == 1:
             req = ip.process(request_id, prompt, params, priority, prompt_ids)
             op.add_request(request_id, prompt_text, prompt_ids, params)

@@ -28,6 +28,29 @@ class InputProcessor:
         if isinstance(gen_eos, list):
             gen_eos = gen_eos[0] if gen_eos else None
         self.eos_token_id: int | None = gen_eos
+        self._max_token_bytes: int | None = None  # read from the vocabulary when needed
+
+    def max_token_bytes(self) -> int:
+        """An upper bound on the bytes of text one token covers: the longest entry of the
+        vocabulary in UTF-8 (a byte-level or SentencePiece entry spells each byte it
+        covers with at least one byte)."""
+        if self._max_token_bytes is None:
+            vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
+            self._max_token_bytes = max((len(t.encode("utf-8")) for t in vocab), default=1)
+        return self._max_token_bytes
+
+    def _refuse_if_surely_too_long(self, text: str) -> None:
+        """Refuses, without tokenizing it, text too long for any tokenization to fit:
+        more bytes than max_model_len tokens of the longest entry could cover."""
+        if len(text) <= self.max_model_len:
+            return  # (at least a byte a token: it may fit)
+        nbytes = len(text.encode("utf-8", "surrogatepass"))
+        limit = self.max_model_len * self.max_token_bytes()
+        if nbytes > limit:
+            raise ValueError(
+                f"prompt is {nbytes} bytes of text: more than max_model_len={self.max_model_len} "
+                f"tokens of at most {self.max_token_bytes()} bytes each can hold"
+            )
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) for any accepted prompt form."""
@@ -47,6 +70,7 @@ class InputProcessor:
                 raise ValueError(
                     "prompt is text but the tokenizer was skipped (skip_tokenizer_init)"
                 )
+            self._refuse_if_surely_too_long(prompt)
             ids = self.tokenizer(prompt, add_special_tokens=True).input_ids
             return prompt, self._check_ids(ids)
         if isinstance(prompt, list | tuple):
