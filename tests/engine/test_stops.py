@@ -10,13 +10,20 @@ PROMPT = {"prompt": "The history of the Roman Empire begins"}
 
 
 @pytest.fixture(scope="module", params=["async", "sync"])
-def llm(request, llm):
-    """Every test here runs with async scheduling (the shared engine) and without: a
-    stop found at step N must drop the token step N+1 computed meanwhile."""
+def either(request, llm):
+    """The shared engine (async scheduling: a stop found at step N must drop the token
+    step N+1 computed meanwhile), and one stepping one step at a time; the second has no
+    model (`InstantExecutor`: its tokens are a function of position), as stop strings and
+    stop tokens need none."""
     if request.param == "async":
         yield llm
         return
-    engine = LLM(device="cpu", async_scheduling=False, multiprocess=False)
+    engine = LLM(
+        device="cpu",
+        async_scheduling=False,
+        multiprocess=False,
+        distributed_executor_backend="asyncllm.executor.instant:InstantExecutor",
+    )
     yield engine
     engine.shutdown()
 
@@ -42,20 +49,20 @@ def _stop_across_tokens(llm):
     raise AssertionError("no stop string across two tokens found")
 
 
-def test_stop_string_split_across_tokens(llm):
-    full, stop, start = _stop_across_tokens(llm)
-    out = _greedy(llm, stop=[stop])
+def test_stop_string_split_across_tokens(either):
+    full, stop, start = _stop_across_tokens(either)
+    out = _greedy(either, stop=[stop])
     assert out.text == full.text[:start]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    kept = _greedy(llm, stop=[stop], include_stop_str_in_output=True)
+    kept = _greedy(either, stop=[stop], include_stop_str_in_output=True)
     assert kept.text == full.text[: start + len(stop)]
 
 
-def test_stop_token_ids(llm):
-    full = _greedy(llm)
+def test_stop_token_ids(either):
+    full = _greedy(either)
     token = full.token_ids[4]
     first = full.token_ids.index(token)
-    out = _greedy(llm, stop_token_ids=[token])
+    out = _greedy(either, stop_token_ids=[token])
     assert out.token_ids == full.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == token
 
