@@ -65,12 +65,12 @@ async def run_burst(llm: AsyncLLM, n: int, tokens: int) -> dict:
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
     async def consume(i: int) -> int:
-        n = 0
+        got = 0
         async for out in llm.generate(f"Request {i} of the burst says", params):
-            n += len(out.outputs[0].token_ids)
+            got += len(out.outputs[0].token_ids)
             if i % 2:
                 break  # cancelled after its first output (aborted in the core)
-        return n
+        return got
 
     pid = llm.engine_core_pid
     host0, core0 = rss_mb(), rss_mb(pid)

@@ -375,16 +375,17 @@ async def test_async_llm_sets_requests_up_off_the_loop():
         frontend.tokenize_prompt = spy(tokenize)
         frontend.chat_prompt = spy(chat_prompt)
         params = SamplingParams(max_tokens=2, ignore_eos=True)
-        async for _ in llm.generate("Hello there", params):
-            pass
-        async for _ in llm.chat([{"role": "user", "content": "Hi"}], params):
-            pass
-        async for _ in llm.generate([1, 2, 3], params):
-            pass
+        streams = [
+            llm.generate("Hello there", params),
+            llm.chat([{"role": "user", "content": "Hi"}], params),
+            llm.generate([1, 2, 3], params),
+        ]
+        for stream in streams:
+            outs = [out async for out in stream]
+            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 2
         assert len(threads) == 2 and all(t.startswith("asyncllm-setup") for t in threads)
         with pytest.raises(ValueError, match="prompt must not be empty"):  # still raised
-            async for _ in llm.generate("", params):
-                pass
+            await anext(llm.generate("", params))
 
 
 def test_start_up_objects_are_frozen_while_an_engine_runs(monkeypatch):

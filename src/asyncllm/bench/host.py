@@ -13,11 +13,12 @@ class LoopLag:
     def __init__(self) -> None:
         self.lags: list[float] = []  # seconds
         self._stop = asyncio.Event()
+        self._ticking = asyncio.Event()
         self._task: asyncio.Task | None = None
 
     async def __aenter__(self) -> LoopLag:
         self._task = asyncio.create_task(self._tick())
-        await asyncio.sleep(0.005)  # the ticker runs before the work starts
+        await self._ticking.wait()  # the ticker runs before the work starts
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -27,6 +28,7 @@ class LoopLag:
 
     async def _tick(self) -> None:
         loop = asyncio.get_running_loop()
+        self._ticking.set()
         while not self._stop.is_set():
             t = loop.time()
             await asyncio.sleep(0.001)

@@ -88,7 +88,14 @@ class InputBatch:
         self.block_table[row, n : n + len(block_ids)] = block_ids
         self.num_blocks[row] = n + len(block_ids)
 
-    def append_token(self, state: CachedRequestState, token: int) -> None:
+    def mark_pending(self, rows: np.ndarray) -> None:
+        """A launched step samples a token for each of these rows (unique)."""
+        self.num_pending[rows] += 1
+
+    def take_sampled_token(self, state: CachedRequestState, token: int) -> None:
+        """The token a launched step sampled for `state`, now known: appended, and no
+        longer pending. Only for a state still in the batch (its row is its own)."""
+        self.num_pending[state.row] -= 1
         row = state.row
         n = int(self.num_tokens[row])
         if n < self.max_model_len:

@@ -310,7 +310,7 @@ class ModelRunner:
             done.record()
         return StepResult(self, groups, failed, prompt_logprobs, done)
 
-    def _apply_through(self, result: StepResult | None) -> None:
+    def apply_results_through(self, result: StepResult | None) -> None:
         """Applies the results in flight, oldest first, up to `result` (None: all)."""
         while self._in_flight:
             r = self._in_flight.popleft()
@@ -556,7 +556,7 @@ class ModelRunner:
         if not len(inputs.samples):
             return [], failed
         if self.processors:  # they read the output ids: bring them up to date first
-            self._apply_through(None)
+            self.apply_results_through(None)
         states = [inputs.states[i] for i in inputs.samples]
         rows = inputs.rows[inputs.samples]
         try:
@@ -577,7 +577,7 @@ class ModelRunner:
                 raise batch_error
             logger.warning("requests failed in sampling, the rest of the batch went on: %s", failed)
         for g in groups:
-            self.input_batch.num_pending[g.rows] += 1
+            self.input_batch.mark_pending(g.rows)
         return groups, failed
 
     def _sample_rows(
@@ -668,7 +668,7 @@ class StepResult:
 
     def result(self) -> ModelRunnerOutput:
         if self._output is None:
-            self._runner._apply_through(self)
+            self._runner.apply_results_through(self)
         assert self._output is not None
         return self._output
 
@@ -693,8 +693,7 @@ class StepResult:
                         [ids[k][: 1 + want]], [lps[k][: 1 + want]], [ranks[k]]
                     )
                 if batch.requests.get(state.req_id) is state:  # (not dropped meanwhile)
-                    batch.append_token(state, token)
-                    batch.num_pending[state.row] -= 1
+                    batch.take_sampled_token(state, token)
         self._output = ModelRunnerOutput(
             sampled_token_ids=sampled,
             logprobs=logprobs,
