@@ -53,6 +53,10 @@ for s in "$@"; do
     latency-8b) stage "$s" python3 -m asyncllm.bench.latency "${L8[@]}" "${SYNC[@]}" ;;
     throughput-8b) stage "$s" python3 -m asyncllm.bench.throughput "${L8[@]}" "${SYNC[@]}" ;;
     sweep-decode) stage "$s" python3 benchmarks/kernels/sweep_small_decode.py ;;
+    sweep-skinny) stage "$s" python3 benchmarks/kernels/sweep_skinny_gemm.py ;;
+    timeline-0.6b) stage "$s" python3 benchmarks/throughput_timeline.py "${Q06[@]}" "${SYNC[@]}" ;;
+    timeline-8b) stage "$s" python3 benchmarks/throughput_timeline.py "${L8[@]}" "${SYNC[@]}" ;;
+    profile-long-0.6b) stage "$s" python3 -m asyncllm.bench.step_profile "${Q06[@]}" "${SYNC[@]}" --batch 64 256 --input-len 768 ;;
     test-gpu) stage "$s" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider ;;
     *) stage "$(echo "$s" | tr '/:' '__')" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider "$s" ;;
     esac

@@ -161,18 +161,10 @@ def smollm_prompts16(smollm_prompts, smollm_tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def hf_greedy_cache(hf_smollm):
-    """transformers' greedy continuation (EOS off) per (prompt, max_tokens), computed once."""
-    from tests.model.helpers import hf_greedy
+    """transformers' greedy continuations (EOS off), each computed once for the session."""
+    from tests.model.helpers import HFGreedyCache
 
-    cache: dict[tuple, tuple[list[int], torch.Tensor]] = {}
-
-    def get(prompt: list[int], max_tokens: int):
-        key = (tuple(prompt), max_tokens)
-        if key not in cache:
-            cache[key] = hf_greedy(hf_smollm, prompt, max_tokens)
-        return cache[key]
-
-    return get
+    return HFGreedyCache(hf_smollm)
 
 
 @pytest.fixture(scope="session")

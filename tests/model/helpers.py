@@ -79,13 +79,15 @@ def assert_greedy_parity(
 ) -> None:
     """Our continuations against `generate(do_sample=False)` under the tie rule.
 
-    `ref` is a transformers model, or a function (prompt, max_tokens) -> (tokens, logits)
-    that caches the reference's answers.
+    `ref` is a transformers model, or an `HFGreedyCache` of one.
 
     Divergences at near-ties are reported (printed); more than two fail the test, as
     that many true ties in a handful of prompts would point at a numerical problem.
     """
     ties = []
+    if isinstance(ref, HFGreedyCache):
+        for n in {len(got) for got in ours}:
+            ref.prefetch([p for p, got in zip(prompts, ours, strict=True) if len(got) == n], n)
     for prompt, got in zip(prompts, ours, strict=True):
         if hasattr(ref, "generate"):
             want, want_logits = hf_greedy(ref, prompt, len(got))
@@ -123,6 +125,57 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], tor
         model.generation_config.eos_token_id = saved
     tokens = out.sequences[0, len(prompt) :].tolist()
     return tokens, torch.cat(out.logits, dim=0).float().cpu()
+
+
+def hf_greedy_batch(
+    model, prompts: list[list[int]], max_tokens: int
+) -> list[tuple[list[int], torch.Tensor]]:
+    """hf_greedy for several prompts in one left-padded generate call (2x faster on the
+    CPU than one call per prompt; tokens equal, logits within ~1e-4 of those calls)."""
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                ids.to(model.device),
+                attention_mask=mask.to(model.device),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+    finally:
+        model.generation_config.eos_token_id = saved
+    logits = torch.stack(out.logits, dim=1).float().cpu()
+    return [(out.sequences[i, width:].tolist(), logits[i]) for i in range(len(prompts))]
+
+
+class HFGreedyCache:
+    """transformers' greedy continuations (EOS off) per (prompt, max_tokens), each
+    computed once; `prefetch` computes the missing ones of a list in one batch."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.cache: dict[tuple[tuple[int, ...], int], tuple[list[int], torch.Tensor]] = {}
+
+    def prefetch(self, prompts: list[list[int]], max_tokens: int) -> None:
+        missing = list(
+            dict.fromkeys(tuple(p) for p in prompts if (tuple(p), max_tokens) not in self.cache)
+        )
+        if missing:
+            answers = hf_greedy_batch(self.model, [list(p) for p in missing], max_tokens)
+            self.cache.update({(p, max_tokens): a for p, a in zip(missing, answers, strict=True)})
+
+    def __call__(self, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
+        self.prefetch([prompt], max_tokens)
+        return self.cache[(tuple(prompt), max_tokens)]
 
 
 def use_backend(model, backend) -> None:

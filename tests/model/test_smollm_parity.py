@@ -6,12 +6,14 @@ import torch
 
 from asyncllm.model.attention.torch_native import TorchNativeBackend
 from asyncllm.model.paged_decoder import PagedDecoder
-from tests.model.helpers import assert_greedy_parity, greedy_batch, hf_greedy
+from tests.model.helpers import assert_greedy_parity, greedy_batch
 
 
-def test_prompt_and_32_decode_steps_match_reference_logits(smollm_model, hf_smollm, smollm_prompts):
+def test_prompt_and_32_decode_steps_match_reference_logits(
+    smollm_model, hf_smollm, hf_greedy_cache, smollm_prompts
+):
     prompt = smollm_prompts[3]  # the chat turn
-    ref_tokens, _ = hf_greedy(hf_smollm, prompt, 32)
+    ref_tokens, _ = hf_greedy_cache(prompt, 32)
     full = prompt + ref_tokens
     with torch.no_grad():
         ref_logits = hf_smollm(torch.tensor([full])).logits[0].float()
@@ -29,8 +31,9 @@ def test_prompt_and_32_decode_steps_match_reference_logits(smollm_model, hf_smol
     assert dec.num_free_blocks == 64
 
 
-def test_greedy_continuations_match_generate(smollm_model, hf_smollm, smollm_prompts):
+def test_greedy_continuations_match_generate(smollm_model, hf_greedy_cache, smollm_prompts16):
+    # The engine tests' sixteen prompts: transformers answers them once for the session.
     dec = PagedDecoder(smollm_model, TorchNativeBackend(), num_blocks=256)
-    ours = greedy_batch(dec, smollm_prompts, 32)
+    ours = greedy_batch(dec, smollm_prompts16, 32)
     assert dec.num_free_blocks == 256
-    assert_greedy_parity(hf_smollm, smollm_prompts, ours, "SmolLM2")
+    assert_greedy_parity(hf_greedy_cache, smollm_prompts16, ours, "SmolLM2")

@@ -234,6 +234,66 @@ class ModelRunner:
             )
             model.compute_logits(hidden).float()
 
+    @torch.inference_mode()
+    def warm_up_mixed_steps(self) -> int:
+        """Eager forwards of inert batches that mix one-token decodes with a prefill
+        chunk, one per attention launch shape such a step can meet (on CUDA, with the
+        Triton backend): the kernels that serve only mixed steps are compiled here, at
+        start-up, not in the first step that mixes a new prompt into running decodes
+        (~2.7 s on an H200 with a cold Triton cache). Returns the number of batches run."""
+        if self.device.type != "cuda" or self.backend.name != "triton":
+            return 0
+        sizes = self.mixed_warm_up_sizes()
+        for num_seqs in sizes:
+            self.run_inert_mixed_batch(num_seqs)
+        return len(sizes)
+
+    def mixed_warm_up_sizes(self) -> list[int]:
+        """One batch size (sequences) per decode-launch config of the Triton backend's
+        mixed steps (the prefill launch's config does not depend on the batch)."""
+        from asyncllm_kernels.paged_attention import choose_config
+
+        spec = self._loaded_model().kv_cache_spec()
+        hf = self.config.model.hf_config
+        group = hf.num_attention_heads // getattr(hf, "num_key_value_heads", hf.num_attention_heads)
+        sched = self.config.scheduler
+        largest = min(sched.max_num_seqs, sched.max_num_batched_tokens - 1)
+        shapes: dict[Any, int] = {}  # decode launch config -> the first batch size with it
+        for num_seqs in range(2, largest + 1):
+            cfg = choose_config(
+                num_seqs, spec.num_kv_heads, group, spec.head_size, True, self.device, self.dtype
+            )
+            shapes.setdefault(cfg, num_seqs)
+        return list(shapes.values())
+
+    @torch.inference_mode()
+    def run_inert_mixed_batch(self, num_seqs: int) -> None:
+        """One eager forward of `num_seqs - 1` one-token decodes and a two-token prefill
+        chunk that writes nothing to the KV cache (every slot is -1)."""
+        T = self._inert_mixed_batch(num_seqs)
+        self._loaded_model()(
+            self.buffers.input_ids.device[:T],
+            self.buffers.positions.device[:T],
+            self.kv_caches,
+            self._metadata(T, num_seqs),
+        )
+
+    def _inert_mixed_batch(self, num_seqs: int) -> int:
+        """Fills the step buffers with run_inert_mixed_batch's batch; returns its tokens."""
+        buf = self.buffers
+        lens = np.ones(num_seqs, dtype=np.int64)
+        lens[-1] = 2
+        T = int(lens.sum())
+        buf.query_start_loc.np[0] = 0
+        np.cumsum(lens, out=buf.query_start_loc.np[1 : num_seqs + 1])
+        buf.seq_lens.np[:num_seqs] = lens
+        buf.block_table.np[:num_seqs] = 0
+        buf.input_ids.np[:T] = 0
+        buf.positions.np[:T] = 0
+        buf.slot_mapping.np[:T] = -1
+        buf.copy_to_device(num_seqs)
+        return T
+
     def _inert_decode_batch(self, size: int) -> None:
         """A decode batch of `size` one-token sequences that writes nothing."""
         buf = self.buffers

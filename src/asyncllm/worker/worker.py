@@ -151,6 +151,9 @@ class Worker:
                     "before the KV cache was sized: lower gpu_memory_utilization, capture fewer "
                     "sizes (cudagraph_capture_sizes) or set enforce_eager=True"
                 )
+        t0 = time.monotonic()
+        if self.runner.warm_up_mixed_steps():
+            r.seconds["warm up mixed steps"] = time.monotonic() - t0
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB), %.1f requests of max_model_len=%d "
             "at once; start-up: %s",

@@ -73,6 +73,14 @@ class LinearBase(nn.Module):
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias)
+        if x.is_cuda and bias is None and x.dim() == 2 and x.stride(1) == 1:
+            # Small decode batches of the shapes tuned for it: the skinny GEMM kernel.
+            from asyncllm_kernels.skinny_gemm import skinny_config, skinny_gemm
+
+            n, k = self.weight.shape
+            config = skinny_config(x.shape[0], n, k, x.dtype)
+            if config is not None:
+                return skinny_gemm(x, self.weight, config)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

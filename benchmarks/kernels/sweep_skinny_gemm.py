@@ -1,0 +1,120 @@
+"""The small-batch linear layers (M = 1-16 rows) of the benchmark shapes: every
+`skinny_gemm` config against cuBLAS (`F.linear`), bf16, CUDA-graph replay over enough
+weight copies that each call reads its weight from device memory (not L2). Prints, per
+shape and M, cuBLAS's time and bandwidth, the best config's, and the config that is best
+over all M (the one `TUNED` should hold), with its worst ratio to cuBLAS.
+
+    PYTHONPATH=src:kernels python3 benchmarks/kernels/sweep_skinny_gemm.py [--quick]
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
+
+from asyncllm_kernels.skinny_gemm import SkinnyConfig, skinny_gemm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import COPY_BW, graph_time_calls_us, write_json  # noqa: E402
+
+# (name, N, K): the fused qkv, o_proj, fused gate_up and down_proj of each shape.
+SHAPES = [
+    ("llama8b.qkv", 6144, 4096),
+    ("llama8b.o", 4096, 4096),
+    ("llama8b.gate_up", 28672, 4096),
+    ("llama8b.down", 4096, 14336),
+    ("qwen06b.qkv", 4096, 1024),
+    ("qwen06b.o", 1024, 2048),
+    ("qwen06b.gate_up", 6144, 1024),
+    ("qwen06b.down", 1024, 3072),
+]
+MS = (1, 2, 4, 8, 16)
+L2_BYTES = 50 << 20
+
+
+def configs(quick: bool) -> list[SkinnyConfig]:
+    if quick:
+        return [SkinnyConfig(16, 256, 4, 4), SkinnyConfig(32, 256, 4, 4)]
+    return [
+        SkinnyConfig(bn, bk, w, s)
+        for bn, bk, w, s in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 6))
+        if bn * bk <= 32 * 512
+    ]
+
+
+def time_calls(fn, x, weights) -> float:
+    return graph_time_calls_us([lambda w=w: fn(x, w) for w in weights])
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    rows = []
+    for name, n, k in SHAPES:
+        nbytes = n * k * 2
+        copies = max(4, min(64, -(-4 * L2_BYTES // nbytes)))
+        weights = [
+            torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5 for _ in range(copies)
+        ]
+        per_config: dict[SkinnyConfig, list[float]] = {}
+        cublas: list[float] = []
+        for m in MS:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            cublas.append(time_calls(F.linear, x, weights))
+            want = F.linear(x.float(), weights[0].float())
+            for cfg in configs(quick):
+                try:
+                    got = skinny_gemm(x, weights[0], cfg).float()
+                except OutOfResources:
+                    continue
+                err = ((got - want).norm() / want.norm()).item()
+                if err > 1e-2:
+                    raise AssertionError(f"{name} M={m} {cfg}: relative error {err}")
+                us = time_calls(lambda a, b, c=cfg: skinny_gemm(a, b, c), x, weights)
+                per_config.setdefault(cfg, []).append(us)
+        floor = nbytes / COPY_BW * 1e6
+        for i, m in enumerate(MS):
+            best_cfg = min(
+                (c for c in per_config if len(per_config[c]) == len(MS)),
+                key=lambda c: per_config[c][i],
+            )
+            best = per_config[best_cfg][i]
+            print(
+                f"{name:16s} M={m:2d} floor {floor:7.1f} us | cuBLAS {cublas[i]:7.1f} us "
+                f"({floor / cublas[i]:4.2f}) | best {best:7.1f} us ({floor / best:4.2f}) {best_cfg}",
+                flush=True,
+            )
+        # One config for every M: the smallest worst ratio to cuBLAS.
+        full = [c for c in per_config if len(per_config[c]) == len(MS)]
+        overall = min(full, key=lambda c: max(t / cb for t, cb in zip(per_config[c], cublas)))
+        ratios = [t / cb for t, cb in zip(per_config[overall], cublas)]
+        print(
+            f"{name:16s} one config for all M: {overall}: time / cuBLAS "
+            + " ".join(f"{r:4.2f}" for r in ratios),
+            flush=True,
+        )
+        rows.append(
+            dict(
+                shape=name,
+                n=n,
+                k=k,
+                floor_us=floor,
+                cublas_us=cublas,
+                overall=str(overall),
+                overall_us=per_config[overall],
+                best={str(c): t for c, t in per_config.items()},
+            )
+        )
+        del weights
+        torch.cuda.empty_cache()
+    write_json("sweep_skinny_gemm", rows)
+
+
+if __name__ == "__main__":
+    main()
