@@ -312,15 +312,18 @@ def choose_config(
     dtype: torch.dtype = torch.bfloat16,
     num_splits: int | None = None,
 ) -> AttentionConfig:
-    """Decode-only batches (every chunk one token) use 16-row tiles; when the batch gives
-    fewer (sequence, KV head) programs than the GPU has SMs, each sequence's keys are
-    split so that about four programs run per SM (at most 16 splits), with smaller key
-    tiles and 4 warps: there a step's attention is bound by latency, not bandwidth,
-    whatever the context. Other batches use large tiles for the tensor cores. Depends
+    """Decode-only batches (every chunk one token) use 16-row tiles, 64-key tiles (head
+    128), 4 warps and 2 stages, the fastest at every batch swept (1-256, contexts 128 to
+    1.5k: at batch 64-256 and 0.5-1.5k keys 0.82-1.0 of the KV-read floor, against
+    0.65-0.91 for 128-key tiles, 8 warps, 3 stages); when the batch gives fewer
+    (sequence, KV head) programs than the GPU has SMs, each sequence's keys are also
+    split so that about four programs run per SM (at most 16 splits): there a step's
+    attention is bound by latency, not bandwidth. Other batches use large tiles for the
+    tensor cores. Depends
     only on the (padded) batch shape and dtype. Float32 (IEEE dots, for reference
     checks) gets smaller tiles to fit in shared memory and registers. The 16-bit
     choices come from the H200 sweeps in benchmarks/kernels/bench_attention.py and
-    benchmarks/kernels/sweep_small_decode.py."""
+    benchmarks/kernels/sweep_small_decode.py and sweep_large_decode.py."""
     head_pad = triton.next_power_of_2(head_size)
     wide = dtype == torch.float32
     if decode_only:
@@ -331,13 +334,10 @@ def choose_config(
         else:  # the interpreter, in tests: a small "GPU" keeps the cases small
             sms = target = 8
         programs = max(num_seqs * num_kv_heads, 1)
-        if programs < sms:
-            block_n = (64 if head_pad <= 128 else 32) // (2 if wide else 1)
-            if num_splits is None:
-                num_splits = min(1 << ((target // programs).bit_length() - 1), 16)
-            return AttentionConfig(block_m, block_n, num_splits, num_warps=4, num_stages=2)
-        block_n = (128 if head_pad <= 128 else 64) // (2 if wide else 1)
-        return AttentionConfig(block_m, block_n, num_splits or 1, num_warps=8, num_stages=3)
+        block_n = (64 if head_pad <= 128 else 32) // (2 if wide else 1)
+        if programs < sms and num_splits is None:
+            num_splits = min(1 << ((target // programs).bit_length() - 1), 16)
+        return AttentionConfig(block_m, block_n, num_splits or 1, num_warps=4, num_stages=2)
     if wide:
         block_m = max(64 if head_pad <= 128 else 32, triton.next_power_of_2(group))
         return AttentionConfig(block_m, 32, num_splits or 1, num_warps=8, num_stages=2)
