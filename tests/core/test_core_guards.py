@@ -62,17 +62,27 @@ def test_an_empty_prompt_at_the_head_fails_and_the_queue_moves_on() -> None:
     assert len(_tokens(outs["ok"])) == 3 and outs["ok"][-1].finish_reason == "length"
 
 
-def test_a_prompt_of_max_model_len_tokens_or_more_fails_without_running() -> None:
+def test_a_prompt_longer_than_max_model_len_fails_without_running_and_one_of_exactly_it_runs() -> (
+    None
+):
+    """As in vLLM: a prompt of exactly max_model_len tokens is accepted and gets the one
+    token its prefill samples ("length"); one token more is refused."""
     sched = make_scheduler(max_model_len=64, num_blocks=16, block_size=16)
-    _add_raw(sched, "long", fresh_tokens(100))
+    _add_raw(sched, "long", fresh_tokens(65))
     _add_raw(sched, "exact", fresh_tokens(64))
     add(sched, "ok", 8, max_tokens=2)
     first = sched.schedule()
-    assert first.num_scheduled_tokens == {"ok": 8}  # neither long one got anything
+    assert first.num_scheduled_tokens == {"exact": 64, "ok": 8}
     outs = {o.request_id: [o] for o in sched.take_error_outputs()}
-    for rid in ("long", "exact"):
-        kind, message = _error(outs[rid])
-        assert kind is ErrorKind.INVALID and "max_model_len is 64" in message
+    kind, message = _error(outs["long"])
+    assert kind is ErrorKind.INVALID and "max_model_len is 64" in message
+    for o in sched.update_from_output(first, run_fake_model(sched, first)):
+        outs.setdefault(o.request_id, []).append(o)
+    for rid, more in _drive(sched).items():
+        outs.setdefault(rid, []).extend(more)
+    assert outs["exact"][-1].finish_reason == "length"
+    assert len(_tokens(outs["exact"])) == 1 and len(_tokens(outs["ok"])) == 2
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
 def test_a_running_request_with_nothing_left_to_schedule_fails_instead_of_being_skipped() -> None:

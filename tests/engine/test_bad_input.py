@@ -100,3 +100,26 @@ def test_duplicate_request_id_is_rejected(llm):
         engine.add_request("dup", "Hello", SamplingParams(max_tokens=2))
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_a_request_the_in_process_core_refuses_raises_and_leaves_nothing_waiting(monkeypatch):
+    """The frontend's checks passed, the core's did not (a mismatch between the two, or a
+    check only the core can make): generate raised nothing and waited forever once."""
+    with LLM(device="cpu", max_model_len=64, multiprocess=False) as engine:
+        core = engine.engine.client.core
+        check = core._check_request
+
+        def refuse_second_child(req):
+            if req.request_id.startswith("1_"):
+                raise ValueError("refused by the core")
+            return check(req)
+
+        monkeypatch.setattr(core, "_check_request", refuse_second_child)
+        with pytest.raises(ValueError, match="refused by the core"):
+            engine.generate([1, 2, 3], SamplingParams(n=2, max_tokens=2), use_tqdm=False)
+        assert not engine.engine.has_unfinished_requests()
+        stats = engine.get_stats()
+        assert stats["num_running"] == stats["num_waiting"] == 0
+        assert stats["num_free_blocks"] == stats["num_blocks"]
+        out = engine.generate([1, 2, 3], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 2

@@ -110,4 +110,8 @@ def test_max_tokens_and_max_model_len_end_with_length():
             prompt, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True), use_tqdm=False
         )[0].outputs[0]
         assert len(out.token_ids) == 4 and out.finish_reason == "length"
+        # A prompt of exactly max_model_len tokens: accepted, one token (as in vLLM).
+        exact = {"prompt_token_ids": list(range(100, 164))}
+        out = engine.generate(exact, SamplingParams(temperature=0.0), use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 1 and out.finish_reason == "length"
         assert engine.get_stats()["num_free_blocks"] == engine.get_stats()["num_blocks"]

@@ -26,7 +26,7 @@ once: the device runs steps in order, so whatever reuses them runs after the ste
 flight has written them.
 
 A request is never left to block the others: one that can never get a token scheduled
-(an empty prompt, a prompt of max_model_len tokens or more, more KV blocks than the
+(an empty prompt, a prompt of more than max_model_len tokens, more KV blocks than the
 whole pool, a prompt that cannot fit one step without chunked prefill) is ended with an
 error output (`take_error_outputs`) when the scheduler meets it, and one the model
 runner could not take (`ModelRunnerOutput.failed`) is ended in `update_from_output`.
@@ -177,12 +177,12 @@ class Scheduler:
         max_len = self.config.max_model_len
         if req.num_tokens == 0:
             return self._fail(req, ErrorKind.INVALID, "the prompt is empty")
-        if len(req.prompt_token_ids) >= max_len or num_computed >= max_len:
+        if len(req.prompt_token_ids) > max_len or num_computed >= max_len:
             return self._fail(
                 req,
                 ErrorKind.INVALID,
                 f"the prompt has {len(req.prompt_token_ids)} tokens; max_model_len is "
-                f"{max_len}, which leaves no room for output",
+                f"{max_len}",
             )
         return self._fail(
             req,
@@ -309,13 +309,13 @@ class Scheduler:
         """Admits waiting requests in queue order, each starting after its prefix-cache
         hit, while the budget, `max_num_seqs` and the free blocks allow. Stops at the
         first that does not fit rather than skip it, so small requests behind a big one
-        cannot starve it; but one that can never fit (an empty prompt, one of
-        max_model_len tokens or more, one too big for a step without chunked prefill or
+        cannot starve it; but one that can never fit (an empty prompt, one of more
+        than max_model_len tokens, one too big for a step without chunked prefill or
         for the whole pool) is ended with an error, so it cannot block the queue."""
         cfg = self.config
         while step.budget > 0 and len(self.waiting) > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting.peek()
-            if req.num_tokens == 0 or len(req.prompt_token_ids) >= cfg.max_model_len:
+            if req.num_tokens == 0 or len(req.prompt_token_ids) > cfg.max_model_len:
                 self._error_outputs.append(self._unschedulable(req, 0))
                 continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)

@@ -70,11 +70,8 @@ class EngineCore:
             raise TypeError("prompt_token_ids must be a list of int")
         if not ids:
             raise ValueError("prompt must not be empty (no prompt_token_ids)")
-        if len(ids) >= max_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; max_model_len is {max_len}, "
-                "which leaves no room for output"
-            )
+        if len(ids) > max_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={max_len}")
         vocab = self.vocab_size
         lo, hi = min(ids), max(ids)
         if lo < 0 or (vocab is not None and hi >= vocab):
@@ -108,7 +105,8 @@ class EngineCore:
             raise ValueError(f"priority must be an int64, got {req.priority!r}")
         if not isinstance(req.arrival_time, int | float) or not math.isfinite(req.arrival_time):
             raise ValueError(f"arrival_time must be a finite number, got {req.arrival_time!r}")
-        return min(req.max_tokens, max_len - len(ids))
+        # (a prompt of max_model_len tokens still gets the token its prefill samples)
+        return min(req.max_tokens, max(1, max_len - len(ids)))
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queues a request. ValueError or TypeError if it is malformed (see

@@ -69,9 +69,16 @@ class LLMEngine:
         priority: int = 0,
         tokenized: tuple[str | None, list[int]] | None = None,
     ) -> None:
-        """Validates and queues a request; n > 1 becomes n child requests in the core."""
+        """Validates and queues a request; n > 1 becomes n child requests in the core.
+        If the core refuses one at once (the in-process core raises), the frontend
+        forgets the request and any child the core took is aborted before the error
+        propagates: nothing is left waiting for outputs that will never come."""
         for req in self.frontend.add_request(request_id, prompt, params, priority, tokenized):
-            self.client.add_request(req)
+            try:
+                self.client.add_request(req)
+            except BaseException:
+                self.client.abort_requests(self.frontend.abort_requests([request_id]))
+                raise
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

@@ -92,10 +92,9 @@ class InputProcessor:
                 raise ValueError(
                     f"prompt_token_ids has token id {t}, outside [0, {self.vocab_size})"
                 )
-        if len(ids) >= self.max_model_len:
+        if len(ids) > self.max_model_len:  # (exactly max_model_len: one token, as in vLLM)
             raise ValueError(
-                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
-                "which leaves no room for output"
+                f"prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}"
             )
         return ids
 
@@ -140,7 +139,8 @@ class InputProcessor:
             raise ValueError(f"priority must fit in int64 ([-2**63, 2**63 - 1]), got {what}")
         if prompt_ids is None:
             _, prompt_ids = self.tokenize_prompt(prompt)
-        room = self.max_model_len - len(prompt_ids)
+        # A prompt of max_model_len tokens still gets the token its prefill samples.
+        room = max(1, self.max_model_len - len(prompt_ids))
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return EngineCoreRequest(
             request_id=request_id,
