@@ -181,8 +181,7 @@ class Scheduler:
             return self._fail(
                 req,
                 ErrorKind.INVALID,
-                f"the prompt has {len(req.prompt_token_ids)} tokens; max_model_len is "
-                f"{max_len}",
+                f"the prompt has {len(req.prompt_token_ids)} tokens; max_model_len is {max_len}",
             )
         return self._fail(
             req,
