@@ -88,6 +88,7 @@ class EngineConfig:
     attention_backend: str | None = None
     # Decode batch sizes with a CUDA graph (sorted; empty: every step runs eager).
     cudagraph_capture_sizes: list[int] = field(default_factory=list)
+    cpu_threads: int | None = None  # as the user set it (see engine/cpu_threads.py)
 
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -161,6 +162,11 @@ class EngineArgs:
     # True: the host schedules and prepares step N+1 while the device runs step N (the
     # sampled ids go from one step to the next on the device); False: one step at a time.
     async_scheduling: bool = True
+    # torch's intra-op threads for the engine's CPU work. None: in the core's own process,
+    # OMP_NUM_THREADS if set, else the CPUs this process may use less the busy ones (the
+    # 1-minute load average), at least 1; with multiprocess=False the application's own
+    # setting is left alone. A number: that many, in either case.
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str | os.PathLike):
@@ -216,6 +222,7 @@ class EngineArgs:
         _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
         _check_int("max_logprobs", self.max_logprobs, 0)
         _check_int("max_waiting_requests", self.max_waiting_requests, 1, optional=True)
+        _check_int("cpu_threads", self.cpu_threads, 1, optional=True)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"

@@ -35,6 +35,7 @@ from asyncllm import envs
 from asyncllm.config import EngineArgs
 from asyncllm.engine.arg_utils import create_engine_config
 from asyncllm.engine.core import EngineCore
+from asyncllm.engine.cpu_threads import set_cpu_threads
 from asyncllm.engine.heap import freeze_startup_objects, unfreeze_objects
 from asyncllm.engine.host_launcher import remove_private_ipc_dir
 from asyncllm.engine.serial import Decoder, Encoder
@@ -146,6 +147,7 @@ class EngineCoreProc:
             t0 = time.monotonic()
             engine_args: dict[str, Any] = dict(startup.engine_args)
             config = create_engine_config(EngineArgs(**engine_args))
+            set_cpu_threads(config, own_process=True)
             t1 = time.monotonic()
             core = self.core = EngineCore(config)
             stages = {"core: engine config": t1 - t0}
