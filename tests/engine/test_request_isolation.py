@@ -174,7 +174,7 @@ def _bad_params(**changes: Any) -> SamplingParams:
     "changes,error,match",
     [
         ({"prompt_token_ids": []}, ValueError, "empty"),
-        ({"prompt_token_ids": [1] * 1024}, ValueError, "max_model_len"),
+        ({"prompt_token_ids": [1] * 1025}, ValueError, "max_model_len"),  # (1024: accepted)
         ({"prompt_token_ids": [1, 49152]}, ValueError, "token id 49152"),
         ({"prompt_token_ids": [1, -1]}, ValueError, "token id -1"),
         ({"prompt_token_ids": [1, 2.0]}, TypeError, "prompt_token_ids"),
