@@ -52,8 +52,8 @@ for s in "$@"; do
     profile-8b) stage "$s" python3 -m asyncllm.bench.step_profile "${L8[@]}" "${SYNC[@]}" --batch 1 256 ;;
     latency-8b) stage "$s" python3 -m asyncllm.bench.latency "${L8[@]}" "${SYNC[@]}" ;;
     throughput-8b) stage "$s" python3 -m asyncllm.bench.throughput "${L8[@]}" "${SYNC[@]}" ;;
-    sweep-decode) stage "$s" python3 benchmarks/kernels/sweep_small_decode.py ;;
-    sweep-large-decode) stage "$s" python3 benchmarks/kernels/sweep_large_decode.py ;;
+    sweep-decode) stage "$s" python3 benchmarks/kernels/sweep_decode.py ;;
+    sweep-large-decode) stage "$s" python3 benchmarks/kernels/sweep_decode.py --large ;;
     sweep-skinny) stage "$s" python3 benchmarks/kernels/sweep_skinny_gemm.py ;;
     timeline-0.6b) stage "$s" python3 benchmarks/throughput_timeline.py "${Q06[@]}" "${SYNC[@]}" ;;
     timeline-8b) stage "$s" python3 benchmarks/throughput_timeline.py "${L8[@]}" "${SYNC[@]}" ;;

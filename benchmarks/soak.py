@@ -1,6 +1,6 @@
 """Memory soak with the real embedded model on the CPU: waves of requests through
-AsyncLLM, every other one cancelled after its first output; after each wave, the engine
-core's and the host's resident memory. Prompts and output lengths vary, so steps come
+AsyncLLM, every other one cancelled after its first output; after each wave, the idle
+engine core's and the host's resident memory. Prompts and output lengths vary, so steps come
 in many shapes (a model's CPU kernels may cache work per input shape).
 
     python benchmarks/soak.py --waves 8 --requests 250
@@ -50,6 +50,10 @@ async def main() -> None:
         for w in range(args.waves):
             t = time.perf_counter()
             tokens = await wave(llm, args.requests, rng)
+            # A stats call is answered once the core has gone idle (and returned its freed
+            # heap memory): the RSS below is the idle core's.
+            stats = await llm.get_stats()
+            assert stats["num_running"] == stats["num_waiting"] == 0, stats
             rows.append(
                 {
                     "wave": w + 1,

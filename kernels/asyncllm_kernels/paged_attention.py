@@ -323,7 +323,7 @@ def choose_config(
     only on the (padded) batch shape and dtype. Float32 (IEEE dots, for reference
     checks) gets smaller tiles to fit in shared memory and registers. The 16-bit
     choices come from the H200 sweeps in benchmarks/kernels/bench_attention.py and
-    benchmarks/kernels/sweep_small_decode.py and sweep_large_decode.py."""
+    benchmarks/kernels/sweep_decode.py (and its --large)."""
     head_pad = triton.next_power_of_2(head_size)
     wide = dtype == torch.float32
     if decode_only:

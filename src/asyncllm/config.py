@@ -162,10 +162,8 @@ class EngineArgs:
     # True: the host schedules and prepares step N+1 while the device runs step N (the
     # sampled ids go from one step to the next on the device); False: one step at a time.
     async_scheduling: bool = True
-    # torch's intra-op threads for the engine's CPU work. None: in the core's own process,
-    # OMP_NUM_THREADS if set, else the CPUs this process may use less the busy ones (the
-    # 1-minute load average), at least 1; with multiprocess=False the application's own
-    # setting is left alone. A number: that many, in either case.
+    # torch's intra-op threads for the engine core's CPU work. None: torch's own count
+    # (one per core, or OMP_NUM_THREADS). On a machine busy with other work, fewer.
     cpu_threads: int | None = None
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.kv_cache_utils import make_block_hasher
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import Scheduler
+from asyncllm.engine.cpu_threads import set_cpu_threads
 from asyncllm.executor.base import Executor, StepFuture
 from asyncllm.executor.selector import get_executor_class
 from asyncllm.messages import (
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         self.config = config
+        self.cpu_threads = set_cpu_threads(config)
         self.executor = (executor_class or get_executor_class(config))(config)
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_cache(self.num_blocks)

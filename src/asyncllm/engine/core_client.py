@@ -17,7 +17,6 @@ import zmq.asyncio
 
 from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.core import EngineCore
-from asyncllm.engine.cpu_threads import set_cpu_threads
 from asyncllm.engine.host_launcher import CoreProcess, startup_message
 from asyncllm.engine.serial import Decoder, Encoder
 from asyncllm.errors import EngineDeadError, EngineStartupError
@@ -66,7 +65,6 @@ class InprocClient(EngineCoreClient):
     """The engine core in this process: `get_output` runs one step."""
 
     def __init__(self, config: EngineConfig, args: EngineArgs | None = None) -> None:
-        set_cpu_threads(config, own_process=False)
         self.core = EngineCore(config)  # `args` is for the process clients: all is in config
 
     def add_request(self, request: EngineCoreRequest) -> None:

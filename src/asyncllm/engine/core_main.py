@@ -35,8 +35,7 @@ from asyncllm import envs
 from asyncllm.config import EngineArgs
 from asyncllm.engine.arg_utils import create_engine_config
 from asyncllm.engine.core import EngineCore
-from asyncllm.engine.cpu_threads import set_cpu_threads
-from asyncllm.engine.heap import freeze_startup_objects, unfreeze_objects
+from asyncllm.engine.heap import freeze_startup_objects, trim_heap, unfreeze_objects
 from asyncllm.engine.host_launcher import remove_private_ipc_dir
 from asyncllm.engine.serial import Decoder, Encoder
 from asyncllm.messages import (
@@ -101,6 +100,7 @@ class _Undecodable:
 
 JOIN_S = 3.0  # how long shutdown waits for each I/O thread (the host kills us after 5 s)
 _WAKE_ADDR = "inproc://core-input-wake"
+TRIM_EVERY_STEPS = 2000  # heap trims while the core never goes idle (see heap.trim_heap)
 
 
 class EngineCoreProc:
@@ -147,7 +147,6 @@ class EngineCoreProc:
             t0 = time.monotonic()
             engine_args: dict[str, Any] = dict(startup.engine_args)
             config = create_engine_config(EngineArgs(**engine_args))
-            set_cpu_threads(config, own_process=True)
             t1 = time.monotonic()
             core = self.core = EngineCore(config)
             stages = {"core: engine config": t1 - t0}
@@ -365,8 +364,12 @@ class EngineCoreProc:
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
 
     def run_busy_loop(self, core: EngineCore) -> None:
+        steps = 0
         while True:
             if not core.has_unfinished_requests() and not core.has_pending_outputs():
+                if steps:  # idle after work: a good moment to return freed heap memory
+                    trim_heap()
+                    steps = 0
                 self._handle(core, self.in_q.get())
             while True:
                 try:
@@ -375,6 +378,9 @@ class EngineCoreProc:
                     break
             if core.has_unfinished_requests() or core.has_pending_outputs():
                 self.out_q.put(core.step())
+                steps += 1
+                if steps % TRIM_EVERY_STEPS == 0:  # never idle: trim now and then anyway
+                    trim_heap()
 
 
 def main(argv: list[str] | None = None) -> None:
