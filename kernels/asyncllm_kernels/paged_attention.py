@@ -319,8 +319,7 @@ def choose_config(
     (sequence, KV head) programs than the GPU has SMs, each sequence's keys are also
     split so that about four programs run per SM (at most 16 splits): there a step's
     attention is bound by latency, not bandwidth. Other batches use large tiles for the
-    tensor cores. Depends
-    only on the (padded) batch shape and dtype. Float32 (IEEE dots, for reference
+    tensor cores. Depends only on the (padded) batch shape and dtype. Float32 (IEEE dots, for reference
     checks) gets smaller tiles to fit in shared memory and registers. The 16-bit
     choices come from the H200 sweeps in benchmarks/kernels/bench_attention.py and
     benchmarks/kernels/sweep_decode.py (and its --large)."""

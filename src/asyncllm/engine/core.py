@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         self.config = config
-        self.cpu_threads = set_cpu_threads(config)
+        set_cpu_threads(config)
         self.executor = (executor_class or get_executor_class(config))(config)
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_cache(self.num_blocks)

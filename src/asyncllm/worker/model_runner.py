@@ -279,31 +279,29 @@ class ModelRunner:
         )
 
     def _inert_mixed_batch(self, num_seqs: int) -> int:
-        """Fills the step buffers with run_inert_mixed_batch's batch; returns its tokens."""
-        buf = self.buffers
+        """run_inert_mixed_batch's batch in the step buffers; returns its tokens."""
         lens = np.ones(num_seqs, dtype=np.int64)
         lens[-1] = 2
-        T = int(lens.sum())
-        buf.query_start_loc.np[0] = 0
-        np.cumsum(lens, out=buf.query_start_loc.np[1 : num_seqs + 1])
-        buf.seq_lens.np[:num_seqs] = lens
-        buf.block_table.np[:num_seqs] = 0
-        buf.input_ids.np[:T] = 0
-        buf.positions.np[:T] = 0
-        buf.slot_mapping.np[:T] = -1
-        buf.copy_to_device(num_seqs)
-        return T
+        return self._inert_batch(lens)
 
     def _inert_decode_batch(self, size: int) -> None:
         """A decode batch of `size` one-token sequences that writes nothing."""
-        buf = self.buffers
-        buf.query_start_loc.np[: size + 1] = np.arange(size + 1)
-        buf.seq_lens.np[:size] = 1
-        buf.block_table.np[:size] = 0
-        buf.input_ids.np[:size] = 0
-        buf.positions.np[:size] = 0
-        buf.slot_mapping.np[:size] = -1
-        buf.copy_to_device(size)
+        self._inert_batch(np.ones(size, dtype=np.int64))
+
+    def _inert_batch(self, lens: np.ndarray) -> int:
+        """Sequences of `lens` tokens (no context) in the step buffers that write nothing
+        to the KV cache (every slot -1); returns the token count."""
+        buf, S = self.buffers, len(lens)
+        T = int(lens.sum())
+        buf.query_start_loc.np[0] = 0
+        np.cumsum(lens, out=buf.query_start_loc.np[1 : S + 1])
+        buf.seq_lens.np[:S] = lens
+        buf.block_table.np[:S] = 0
+        buf.input_ids.np[:T] = 0
+        buf.positions.np[:T] = 0
+        buf.slot_mapping.np[:T] = -1
+        buf.copy_to_device(S)
+        return T
 
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> DecodeGraphs | None:
