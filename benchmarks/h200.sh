@@ -52,6 +52,7 @@ for s in "$@"; do
     profile-8b) stage "$s" python3 -m asyncllm.bench.step_profile "${L8[@]}" "${SYNC[@]}" --batch 1 256 ;;
     latency-8b) stage "$s" python3 -m asyncllm.bench.latency "${L8[@]}" "${SYNC[@]}" ;;
     throughput-8b) stage "$s" python3 -m asyncllm.bench.throughput "${L8[@]}" "${SYNC[@]}" ;;
+    bench-attention) stage "$s" python3 benchmarks/kernels/bench_attention.py ;;
     sweep-decode) stage "$s" python3 benchmarks/kernels/sweep_decode.py ;;
     sweep-large-decode) stage "$s" python3 benchmarks/kernels/sweep_decode.py --large ;;
     sweep-skinny) stage "$s" python3 benchmarks/kernels/sweep_skinny_gemm.py ;;

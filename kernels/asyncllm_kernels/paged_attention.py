@@ -34,6 +34,8 @@ import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
+# A decode split past the 16th is used once every split has this many key tiles.
+SPLIT_TILES = 8
 
 
 @triton.jit
@@ -163,6 +165,7 @@ def _paged_attention_kernel(
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SPLIT_TILES: tl.constexpr,
     USE_CAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -190,10 +193,6 @@ def _paged_attention_kernel(
     row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
     d = tl.arange(0, HEAD_PAD)
     d_ok = d < HEAD
-    q_rows = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
-    q = tl.load(
-        q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
-    )
     q_pos = context + tok
 
     # Keys this tile may see: up to its last token, from its first token's window.
@@ -210,10 +209,23 @@ def _paged_attention_kernel(
     tile_lo = 0
     tile_hi = num_tiles
     if NUM_SPLITS > 1:
-        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        # Up to 16 splits at any length; past that, one more per SPLIT_TILES tiles, so a
+        # long context fills the grid while a short one does not pay for the merge.
+        base = tl.minimum(NUM_SPLITS, 16)
+        active = tl.minimum(tl.maximum(num_tiles // SPLIT_TILES, base), NUM_SPLITS)
+        per_split = tl.cdiv(num_tiles, active)
         tile_lo = tl.minimum(split * per_split, num_tiles)
         tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+        if tile_lo >= tile_hi:  # an unused split: empty stats, no partial (not read)
+            at = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
+            tl.store(stat_ptr + at * 2, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+            tl.store(stat_ptr + at * 2 + 1, tl.zeros([BLOCK_M], tl.float32), mask=row_ok)
+            return
 
+    q_rows = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(
+        q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
+    )
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
@@ -261,6 +273,7 @@ def _merge_splits_kernel(
     HEAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """One program per (sequence, head): merges the splits of a one-token chunk; other
     sequences (padding, or longer chunks of a mixed batch) are not this launch's."""
@@ -269,16 +282,27 @@ def _merge_splits_kernel(
     token = tl.load(query_start_ptr + seq)
     if tl.load(query_start_ptr + seq + 1) - token != 1:
         return
-    sp = tl.arange(0, NUM_SPLITS)
+    # The used splits are a prefix (an unused one has an empty stat): read every stat
+    # once for the maximum and the prefix length, then only the used partials, in
+    # chunks of up to 16 splits.
+    base = (seq.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS
+    every = tl.arange(0, NUM_SPLITS)
+    m_every = tl.load(stat_ptr + (base + every) * 2)
+    m_max = tl.max(m_every, axis=0)
+    used = tl.max(tl.where(m_every == float("-inf"), 0, every + 1), axis=0)
     d = tl.arange(0, HEAD_PAD)
-    at = (seq.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS + sp
-    m = tl.load(stat_ptr + at * 2)
-    l_sum = tl.load(stat_ptr + at * 2 + 1)
-    m_max = tl.max(m, axis=0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
-    denom = tl.sum(l_sum * w, axis=0)
-    part = tl.load(part_ptr + at[:, None] * HEAD_PAD + d[None, :])
-    out = tl.sum(part * w[:, None], axis=0) / denom
+    acc = tl.zeros([HEAD_PAD], tl.float32)
+    denom = 0.0
+    for first in range(0, used, CHUNK):
+        at = base + first + tl.arange(0, CHUNK)
+        m = tl.load(stat_ptr + at * 2)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
+        denom += tl.sum(tl.load(stat_ptr + at * 2 + 1) * w, axis=0)
+        part = tl.load(
+            part_ptr + at[:, None] * HEAD_PAD + d[None, :], mask=(w > 0)[:, None], other=0.0
+        )
+        acc += tl.sum(part * w[:, None], axis=0)
+    out = acc / denom
     tl.store(
         out_ptr + token.to(tl.int64) * stride_ot + h * stride_oh + d,
         out.to(out_ptr.dtype.element_ty),
@@ -317,8 +341,10 @@ def choose_config(
     1.5k: at batch 64-256 and 0.5-1.5k keys 0.82-1.0 of the KV-read floor, against
     0.65-0.91 for 128-key tiles, 8 warps, 3 stages); when the batch gives fewer
     (sequence, KV head) programs than the GPU has SMs, each sequence's keys are also
-    split so that about four programs run per SM (at most 16 splits): there a step's
-    attention is bound by latency, not bandwidth. Other batches use large tiles for the
+    split so that about four programs run per SM (at most 64 splits): there a step's
+    attention is bound by latency, not bandwidth. Past 16 splits, a split is used only
+    once each has `SPLIT_TILES` key tiles (batch 1 at 128k keys: 64 splits; at 4k: 16),
+    the rest exit at once, so short contexts keep the 16-split timings. Other batches use large tiles for the
     tensor cores. Depends only on the (padded) batch shape and dtype. Float32 (IEEE dots, for reference
     checks) gets smaller tiles to fit in shared memory and registers. The 16-bit
     choices come from the H200 sweeps in benchmarks/kernels/bench_attention.py and
@@ -335,7 +361,7 @@ def choose_config(
         programs = max(num_seqs * num_kv_heads, 1)
         block_n = (64 if head_pad <= 128 else 32) // (2 if wide else 1)
         if programs < sms and num_splits is None:
-            num_splits = min(1 << ((target // programs).bit_length() - 1), 16)
+            num_splits = min(1 << ((target // programs).bit_length() - 1), 64)
         return AttentionConfig(block_m, block_n, num_splits or 1, num_warps=4, num_stages=2)
     if wide:
         block_m = max(64 if head_pad <= 128 else 32, triton.next_power_of_2(group))
@@ -461,6 +487,7 @@ def _launch(
         HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=cfg.num_splits,
+        SPLIT_TILES=SPLIT_TILES,
         USE_CAP=soft_cap is not None,
         USE_WINDOW=sliding_window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -480,5 +507,6 @@ def _launch(
             HEAD=D,
             HEAD_PAD=head_pad,
             NUM_SPLITS=cfg.num_splits,
-            num_warps=8 if cfg.num_splits * head_pad >= 8192 else 4,
+            CHUNK=min(cfg.num_splits, 16),
+            num_warps=8 if min(cfg.num_splits, 16) * head_pad >= 8192 else 4,
         )

@@ -41,6 +41,15 @@ def test_decode_batch_with_kv_split(group, splits):
     _check(case, torch.float32, config=config)
 
 
+def test_long_decode_uses_more_than_16_splits():
+    """Past 16 splits a split is used only once each has SPLIT_TILES key tiles: 150
+    tiles over 32 splits use 17 of them, 10 tiles use 10; the rest are empty and the
+    merge skips them."""
+    case = make_case([(1, 2400), (1, 150)], 1, 2, 64, 16, torch.float32, DEVICE, seed=11)
+    config = AttentionConfig(block_m=16, block_n=16, num_splits=32, num_warps=4, num_stages=1)
+    _check(case, torch.float32, config=config)
+
+
 @pytest.mark.parametrize("window,cap", [(20, None), (None, 10.0), (7, 30.0)])
 def test_window_and_soft_cap(window, cap):
     case = make_case(MIXED, 2, 2, 64, 16, torch.float32, DEVICE, seed=1)
