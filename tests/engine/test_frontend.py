@@ -363,7 +363,7 @@ async def test_async_llm_sets_requests_up_off_the_loop():
     async with AsyncLLM(**INSTANT) as llm:
         frontend = llm.frontend
         threads: list[str] = []
-        tokenize, chat_prompt = frontend.tokenize_prompt, frontend.chat_prompt
+        tokenize, chat_prompt = frontend.tokenize_prompts, frontend.chat_prompt
 
         def spy(fn):
             def wrapped(*args, **kwargs):
@@ -372,7 +372,7 @@ async def test_async_llm_sets_requests_up_off_the_loop():
 
             return wrapped
 
-        frontend.tokenize_prompt = spy(tokenize)
+        frontend.tokenize_prompts = spy(tokenize)
         frontend.chat_prompt = spy(chat_prompt)
         params = SamplingParams(max_tokens=2, ignore_eos=True)
         streams = [
@@ -386,6 +386,52 @@ async def test_async_llm_sets_requests_up_off_the_loop():
         assert len(threads) == 2 and all(t.startswith("asyncllm-setup") for t in threads)
         with pytest.raises(ValueError, match="prompt must not be empty"):  # still raised
             await anext(llm.generate("", params))
+
+
+async def test_async_llm_tokenizes_prompts_that_arrive_together_in_one_call():
+    """Five text prompts started in one loop pass: one tokenizer call for all five; a
+    bad one among them fails alone."""
+    async with AsyncLLM(**INSTANT) as llm:
+        frontend = llm.frontend
+        batches: list[int] = []
+        tokenize = frontend.tokenize_prompts
+
+        def spy(prompts):
+            batches.append(len(prompts))
+            return tokenize(prompts)
+
+        frontend.tokenize_prompts = spy
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        too_long = "x" * (llm.config.model.max_model_len * 10_000)
+
+        async def run(prompt):
+            return [out async for out in llm.generate(prompt, params)]
+
+        prompts = ["Hello there", "One", too_long, "Two three", "Four"]
+        results = await asyncio.gather(*[run(p) for p in prompts], return_exceptions=True)
+        assert batches == [5]
+        assert isinstance(results[2], ValueError) and "max_model_len" in str(results[2])
+        for i in (0, 1, 3, 4):
+            outs = results[i]
+            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 2
+            want = llm.tokenizer(prompts[i]).input_ids
+            assert outs[-1].prompt_token_ids == want
+
+
+def test_tokenize_prompts_matches_one_at_a_time():
+    """The batched call gives each text the ids of tokenizing it alone; bad prompts get
+    their own error in their place."""
+    with _llm() as llm:
+        tok = llm.get_tokenizer()
+        prompts = ["Hello there", [5, 6, 7], {"prompt": "A dict"}, "", {"bad": 1}, "héllo 🙂", 3]
+        got = llm.engine.frontend.tokenize_prompts(prompts)
+        assert got[0] == ("Hello there", tok("Hello there").input_ids)
+        assert got[1] == (None, [5, 6, 7])
+        assert got[2] == ("A dict", tok("A dict").input_ids)
+        assert isinstance(got[3], ValueError) and "must not be empty" in str(got[3])
+        assert isinstance(got[4], ValueError) and "unknown keys" in str(got[4])
+        assert got[5] == ("héllo 🙂", tok("héllo 🙂").input_ids)
+        assert isinstance(got[6], TypeError) and "prompt must be" in str(got[6])
 
 
 def test_start_up_objects_are_frozen_while_an_engine_runs(monkeypatch):

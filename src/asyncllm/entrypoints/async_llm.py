@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -33,6 +32,7 @@ from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.core_client import AsyncMPClient
 from asyncllm.engine.heap import freeze_startup_objects, unfreeze_objects
 from asyncllm.engine.llm_engine import create_host_side, startup_error
+from asyncllm.entrypoints.setup_batch import SetupThread
 from asyncllm.errors import EngineDeadError, EngineStartupError
 from asyncllm.frontend.chat import Messages
 from asyncllm.frontend.collector import RequestOutputCollector
@@ -56,7 +56,7 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: str | None = None
         self._closed = False
-        self._setup: ThreadPoolExecutor | None = None  # tokenization, chat templates
+        self._setup: SetupThread | None = None  # tokenization, chat templates
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
@@ -93,7 +93,9 @@ class AsyncLLM:
             raise
         self.client = client
         client.run_output_handler(self._on_outputs, self._on_dead)
-        self._setup = ThreadPoolExecutor(1, thread_name_prefix="asyncllm-setup")
+        frontend = self.frontend
+        assert frontend is not None
+        self._setup = SetupThread(self._loop, lambda prompts: frontend.tokenize_prompts(prompts))
         freeze_startup_objects(collect=False)  # (on the loop: no full collection)
         return self
 
@@ -113,7 +115,7 @@ class AsyncLLM:
                 await self.client.shutdown()
         finally:
             if self._setup is not None:
-                self._setup.shutdown(wait=False)
+                self._setup.shutdown()
             unfreeze_objects()
 
     @property
@@ -199,7 +201,8 @@ class AsyncLLM:
         params = frontend.check_params(sampling_params)
         tokenized = None
         if _is_text(prompt):
-            tokenized = await self._off_loop(frontend.tokenize_prompt, prompt)
+            assert self._setup is not None  # (_check_usable passed)
+            tokenized = await self._setup.tokenize(prompt)
             frontend, client = self._check_usable()  # (it may have died meanwhile)
         core_reqs = frontend.add_request(request_id, prompt, params, priority, tokenized)
         collector = RequestOutputCollector(params.output_kind)
@@ -227,17 +230,24 @@ class AsyncLLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """One conversation through the tokenizer's chat template, streamed."""
-        frontend, _ = self._check_usable()
-        prompt = await self._off_loop(
-            frontend.chat_prompt, messages, add_generation_prompt, chat_template_kwargs
-        )
+        prompt = await self.render_chat(messages, add_generation_prompt, chat_template_kwargs)
         async for out in self.generate(prompt, sampling_params, request_id, priority):
             yield out
 
-    async def _off_loop(self, fn: Any, *args: Any) -> Any:
-        """Runs request setup (tokenization, a chat template) in the setup thread."""
-        assert self._loop is not None and self._setup is not None  # (_check_usable passed)
-        return await self._loop.run_in_executor(self._setup, fn, *args)
+    async def render_chat(
+        self,
+        messages: Messages,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The prompt (`{"prompt_token_ids": [...]}`) of one conversation through the
+        tokenizer's chat template, rendered in the setup thread."""
+        frontend, _ = self._check_usable()
+        assert self._setup is not None  # (_check_usable passed)
+        prompt: dict[str, Any] = await self._setup.run(
+            frontend.chat_prompt, messages, add_generation_prompt, chat_template_kwargs
+        )
+        return prompt
 
     def _abort_now(self, request_id: str) -> None:
         """Forgets the request here and tells the core; never blocks, never raises."""

@@ -87,11 +87,15 @@ class LLM:
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
         frontend = self.engine.frontend
-        checked = []
-        for prompt, params in zip(prompt_list, params_list):
-            params = frontend.check_params(params).clone(output_kind=RequestOutputKind.FINAL_ONLY)
-            checked.append((prompt, frontend.tokenize_prompt(prompt), params))
-        return self._run(checked, priority, use_tqdm)
+        params_list = [
+            frontend.check_params(p).clone(output_kind=RequestOutputKind.FINAL_ONLY)
+            for p in params_list
+        ]
+        tokenized = frontend.tokenize_prompts(prompt_list)  # the texts in one call
+        for result in tokenized:
+            if isinstance(result, Exception):
+                raise result
+        return self._run(list(zip(prompt_list, tokenized, params_list)), priority, use_tqdm)
 
     def _run(self, checked, priority, use_tqdm: bool) -> list[RequestOutput]:
         ids = []

@@ -88,6 +88,11 @@ class Frontend:
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return self.input_processor.tokenize_prompt(prompt)
 
+    def tokenize_prompts(
+        self, prompts: list[PromptType]
+    ) -> list[tuple[str | None, list[int]] | Exception]:
+        return self.input_processor.tokenize_prompts(prompts)
+
     def chat_prompt(
         self,
         messages: Messages,

@@ -54,6 +54,56 @@ class InputProcessor:
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) for any accepted prompt form."""
+        result = self.tokenize_prompts([prompt])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def tokenize_prompts(
+        self, prompts: list[PromptType]
+    ) -> list[tuple[str | None, list[int]] | Exception]:
+        """`tokenize_prompt` of each prompt, the texts in one tokenizer call; a bad prompt
+        gets its ValueError/TypeError in its place and does not affect the others."""
+        results: list[tuple[str | None, list[int]] | Exception | None] = [None] * len(prompts)
+        texts: list[str] = []
+        where: list[int] = []
+        for i, prompt in enumerate(prompts):
+            try:
+                text, ids = self._resolve(prompt)
+            except (ValueError, TypeError) as e:
+                results[i] = e
+                continue
+            if ids is None:
+                texts.append(text)  # type: ignore[arg-type]
+                where.append(i)
+            else:
+                results[i] = (text, ids)
+        if texts:
+            assert self.tokenizer is not None  # (_resolve refuses text without one)
+            try:
+                encoded: list[Any] = self.tokenizer(texts, add_special_tokens=True).input_ids
+            except Exception:
+                if len(texts) == 1:
+                    raise
+                encoded = [self._encode_one(text) for text in texts]  # to find which failed
+            for i, text, ids in zip(where, texts, encoded):
+                try:
+                    if isinstance(ids, Exception):
+                        raise ids
+                    results[i] = (text, self._check_ids(ids))
+                except Exception as e:
+                    results[i] = e
+        return results  # type: ignore[return-value]
+
+    def _encode_one(self, text: str) -> list[int] | Exception:
+        assert self.tokenizer is not None
+        try:
+            return list(self.tokenizer(text, add_special_tokens=True).input_ids)
+        except Exception as e:
+            return e
+
+    def _resolve(self, prompt: PromptType) -> tuple[str | None, list[int] | None]:
+        """(text, checked ids), or (text, None) for text that still needs tokenizing."""
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids"}
             if unknown:
@@ -61,7 +111,7 @@ class InputProcessor:
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return self.tokenize_prompt(prompt["prompt"])
+                return self._resolve(prompt["prompt"])
             raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
             if not prompt:
@@ -71,8 +121,7 @@ class InputProcessor:
                     "prompt is text but the tokenizer was skipped (skip_tokenizer_init)"
                 )
             self._refuse_if_surely_too_long(prompt)
-            ids = self.tokenizer(prompt, add_special_tokens=True).input_ids
-            return prompt, self._check_ids(ids)
+            return prompt, None
         if isinstance(prompt, list | tuple):
             return None, self._check_ids(prompt)
         raise TypeError(
