@@ -129,42 +129,70 @@ class EngineArgs:
     """Everything a user can set when starting an engine; validated on creation."""
 
     model: str | None = None
+    """A local folder, a GGUF file or a Hugging Face hub id; None: the embedded
+    SmolLM2-135M-Instruct."""
     tokenizer: str | None = None
+    """Where the tokenizer comes from; None: the model's folder."""
     skip_tokenizer_init: bool = False
+    """No tokenizer: prompts must be token ids and outputs carry no text."""
     dtype: str | torch.dtype = "auto"
+    """float32, float16 or bfloat16; auto: bfloat16 on a GPU, float32 on the CPU."""
     device: str | torch.device = "auto"
+    """cpu, cuda or cuda:N; auto: the first GPU if there is one."""
     seed: int = 0
+    """The seed of the engine's random sampling (per request: SamplingParams.seed)."""
     max_model_len: int | None = None
+    """The longest prompt plus output, in tokens; None: the model's own limit."""
     block_size: int = 16
+    """Tokens per KV cache block (a power of two)."""
     enable_prefix_caching: bool = True
+    """Reuse the KV blocks of prompt prefixes seen before."""
     enable_chunked_prefill: bool = True
-    max_num_seqs: int | None = None  # None: 1024 on CUDA, 128 on the CPU
-    max_num_batched_tokens: int | None = None  # None: 16384 on CUDA, 2048 on the CPU
+    """Split long prompts over steps, mixed with running decodes."""
+    max_num_seqs: int | None = None
+    """Requests in one batch at most; None: 1024 on CUDA, 128 on the CPU."""
+    max_num_batched_tokens: int | None = None
+    """Tokens in one step at most; None: 16384 on CUDA, 2048 on the CPU."""
     long_prefill_token_threshold: int = 0
+    """A prompt's chunk per step at most when others wait (0: no limit)."""
     scheduling_policy: str = "fcfs"
+    """fcfs (first come, first served) or priority (lower SamplingParams priority first)."""
     num_gpu_blocks_override: int | None = None
+    """Exactly this many KV cache blocks, whatever the memory would hold."""
     kv_cache_memory_bytes: int | None = None
+    """Bytes of KV cache, instead of a fraction of the GPU's memory."""
     gpu_memory_utilization: float = 0.9
-    # True: no CUDA graphs, every step runs eager.
+    """The fraction of the GPU's memory the engine may use (weights, KV cache, work)."""
     enforce_eager: bool = False
-    # Decode batch sizes captured as CUDA graphs; None: 1, 2, 4, 8, then every 8 up to
-    # min(max_num_seqs, 512). Larger decode batches and mixed steps run eager.
+    """No CUDA graphs: every step runs eager."""
     cudagraph_capture_sizes: list[int] | None = None
+    """Decode batch sizes captured as CUDA graphs; None: 1, 2, 4, 8, then every 8 up to
+    min(max_num_seqs, 512). Larger decode batches and mixed steps run eager."""
     load_format: str = "auto"
+    """auto, safetensors, pt, gguf (the model's weights) or dummy (random weights of
+    the model's shape)."""
     revision: str | None = None
+    """The hub revision (branch, tag or commit) of a hub model."""
     tensor_parallel_size: int = 1
+    """GPUs a layer is split over (only 1 is served: no multi-GPU executor yet)."""
     pipeline_parallel_size: int = 1
+    """Stages the layers are split into (only 1 is served: no multi-GPU executor yet)."""
     distributed_executor_backend: str | None = None
+    """The executor, as module:Class; None: the one-process executor."""
     logits_processors: list[str] | None = None
+    """Logits processor classes (module:Class) applied to every request."""
     max_logprobs: int = 20
+    """The most logprobs (or prompt_logprobs) a request may ask for."""
     max_waiting_requests: int | None = None
-    attention_backend: str | None = None  # "triton" (CUDA) or "torch_native"; None: by device
-    # True: the host schedules and prepares step N+1 while the device runs step N (the
-    # sampled ids go from one step to the next on the device); False: one step at a time.
+    """Beyond this many waiting requests, new ones are refused (EngineOverloadedError)."""
+    attention_backend: str | None = None
+    """triton (CUDA) or torch_native; None: by device."""
     async_scheduling: bool = True
-    # torch's intra-op threads for the engine core's CPU work. None: torch's own count
-    # (one per core, or OMP_NUM_THREADS). On a machine busy with other work, fewer.
+    """The host schedules and prepares step N+1 while the device runs step N (the
+    sampled ids go from one step to the next on the device); off: one step at a time."""
     cpu_threads: int | None = None
+    """torch's intra-op threads for the engine core's CPU work; None: torch's own count
+    (one per core, or OMP_NUM_THREADS). On a machine busy with other work, fewer."""
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str | os.PathLike):

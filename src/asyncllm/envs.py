@@ -10,6 +10,8 @@ so a test or a host that sets a variable before starting an engine is heard.
 - `ASYNCLLM_GC_FREEZE`: `0` keeps the objects start-up leaves (torch's, transformers',
   the model's) in the garbage collector's generations; by default they are frozen once
   an engine has started, so full collections no longer walk them (default `1`).
+- `ASYNCLLM_API_KEY`: the key `asyncllm serve` requires on /v1 when `--api-key` is not
+  given.
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-VARIABLES = ("ASYNCLLM_CACHE", "ASYNCLLM_CPU_PACKING", "ASYNCLLM_LOG_LEVEL", "ASYNCLLM_GC_FREEZE")
+VARIABLES = (
+    "ASYNCLLM_CACHE",
+    "ASYNCLLM_CPU_PACKING",
+    "ASYNCLLM_LOG_LEVEL",
+    "ASYNCLLM_GC_FREEZE",
+    "ASYNCLLM_API_KEY",
+)
 
 
 def cache_root() -> Path:
@@ -41,3 +49,8 @@ def cache_env(path: str) -> dict[str, str]:
 
 def gc_freeze_enabled() -> bool:
     return os.environ.get("ASYNCLLM_GC_FREEZE", "1") != "0"
+
+
+def api_key() -> str | None:
+    """The key `asyncllm serve` requires on /v1 when --api-key is not given."""
+    return os.environ.get("ASYNCLLM_API_KEY") or None

@@ -1,0 +1,366 @@
+"""The OpenAI-compatible HTTP API over one AsyncLLM, as an ASGI app (Starlette).
+
+`build_app(llm)` serves `/v1/chat/completions`, `/v1/completions`, `/v1/models`,
+`/health` and `/metrics` from an AsyncLLM that the caller owns (starts and shuts down),
+so an application can mount it next to its own routes and share the engine.
+`asyncllm serve` (server.py) runs it on uvicorn with the engine's life cycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from asyncllm.entrypoints.async_llm import AsyncLLM
+from asyncllm.entrypoints.openai import responses as R
+from asyncllm.entrypoints.openai.metrics import render_metrics
+from asyncllm.entrypoints.openai.protocol import (
+    OpenAIError,
+    Options,
+    chat_messages,
+    completion_prompts,
+    sampling_params,
+)
+from asyncllm.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
+from asyncllm.outputs import RequestOutput
+from asyncllm.sampling_params import SamplingParams
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class OpenAIServer:
+    def __init__(self, llm: AsyncLLM, model_name: str, api_key: str | None) -> None:
+        self.llm = llm
+        self.model_name = model_name
+        self.api_key = api_key
+        self.http_requests: Counter[tuple[str, int]] = Counter()
+        self.finished: Counter[str] = Counter()
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    def route(self, fn: Handler, v1: bool = True) -> Handler:
+        """Every route: 503 once the engine is dead, the API key on /v1, errors as
+        OpenAI error bodies, and the count of answers by route and status."""
+
+        async def handle(request: Request) -> Response:
+            try:
+                if self.llm.errored or not self.llm.is_running:
+                    raise OpenAIError(
+                        f"the engine is not running: {self.llm.dead_error or 'shut down'}",
+                        503,
+                        "service_unavailable",
+                    )
+                if v1 and self.api_key is not None:
+                    self._check_key(request)
+                response = await fn(request)
+            except OpenAIError as e:
+                response = JSONResponse(e.body(), e.status, headers=e.headers)
+            self.http_requests[(request.url.path, response.status_code)] += 1
+            return response
+
+        return handle
+
+    def _check_key(self, request: Request) -> None:
+        header = request.headers.get("authorization", "")
+        given = header[7:] if header.lower().startswith("bearer ") else ""
+        assert self.api_key is not None
+        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            raise OpenAIError(
+                "invalid or missing API key", 401, "invalid_request_error", code="invalid_api_key"
+            )
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise OpenAIError(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise OpenAIError("the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise OpenAIError(
+                f"the model {model!r} does not exist (this server has {self.model_name!r})",
+                404,
+                param="model",
+                code="model_not_found",
+            )
+        return body
+
+    # -- routes ------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def models(self, request: Request) -> Response:
+        max_len = self.llm.config.model.max_model_len if self.llm.config else None
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "asyncllm",
+            "max_model_len": max_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def metrics(self, request: Request) -> Response:
+        stats = await self.llm.get_stats()
+        text = render_metrics(stats, self.http_requests, self.finished)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._body(request)
+        params, opts = sampling_params(body, chat=False)
+        prompts = completion_prompts(body)
+        return await self._serve(prompts, params, opts, chat=False, prefix="cmpl")
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self._body(request)
+        params, opts = sampling_params(body, chat=True)
+        messages = chat_messages(body)
+        kwargs = body.get("chat_template_kwargs")
+        try:
+            prompt = await self.llm.render_chat(messages, chat_template_kwargs=kwargs)
+        except (ValueError, TypeError) as e:
+            raise OpenAIError(str(e), param="messages") from None
+        return await self._serve([prompt], params, opts, chat=True, prefix="chatcmpl")
+
+    # -- generation --------------------------------------------------------------------
+
+    async def _serve(
+        self, prompts: list[Any], params: SamplingParams, opts: Options, chat: bool, prefix: str
+    ) -> Response:
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        streams = [self.llm.generate(p, params) for p in prompts]
+        firsts = await _first_outputs(streams)  # errors here are still 400/503s
+        if opts.stream:
+            chunks = self._chunks(rid, streams, firsts, params.n, opts, chat)
+            return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+        finals = [f if f.finished else await _last(s) for f, s in zip(firsts, streams)]
+        return JSONResponse(self._response(rid, finals, params.n, opts, chat))
+
+    def _response(
+        self, rid: str, finals: list[RequestOutput], n: int, opts: Options, chat: bool
+    ) -> dict[str, Any]:
+        tok = self.llm.tokenizer
+        choices = []
+        prompt_tokens = completion_tokens = 0
+        for i, out in enumerate(finals):
+            prompt_tokens += len(out.prompt_token_ids)
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                completion_tokens += len(c.token_ids)
+                reason = R.finish_reason(c)
+                self.finished[reason or "abort"] += 1
+                choice: dict[str, Any] = {"index": i * n + c.index, "finish_reason": reason}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": c.text}
+                    choice["logprobs"] = (
+                        R.chat_logprobs(tok, c, opts.logprobs or 0)
+                        if opts.logprobs is not None
+                        else None
+                    )
+                else:
+                    choice["text"] = c.text
+                    choice["logprobs"] = (
+                        R.completion_logprobs(tok, c, opts.logprobs or 0, 0)
+                        if opts.logprobs is not None
+                        else None
+                    )
+                choices.append(choice)
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": R.usage(prompt_tokens, completion_tokens),
+        }
+
+    async def _chunks(
+        self,
+        rid: str,
+        streams: list[AsyncGenerator[RequestOutput, None]],
+        firsts: list[RequestOutput],
+        n: int,
+        opts: Options,
+        chat: bool,
+    ) -> AsyncIterator[dict[str, Any]]:
+        tok = self.llm.tokenizer
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        sent_role: set[int] = set()
+        offsets: Counter[int] = Counter()
+        tokens: Counter[int] = Counter()
+        prompt_tokens = sum(len(f.prompt_token_ids) for f in firsts)
+        async for i, out in _merge(streams, firsts):
+            choices = []
+            for c in out.outputs:
+                index = i * n + c.index
+                tokens[index] += len(c.token_ids)
+                reason = R.finish_reason(c)
+                if reason is not None:
+                    self.finished[reason] += 1
+                choice: dict[str, Any] = {"index": index, "finish_reason": reason}
+                if chat:
+                    delta: dict[str, Any] = {"content": c.text}
+                    if index not in sent_role:
+                        sent_role.add(index)
+                        delta = {"role": "assistant", **delta}
+                    choice["delta"] = delta
+                    if opts.logprobs is not None:
+                        choice["logprobs"] = R.chat_logprobs(tok, c, opts.logprobs)
+                else:
+                    choice["text"] = c.text
+                    if opts.logprobs is not None:
+                        choice["logprobs"] = R.completion_logprobs(
+                            tok, c, opts.logprobs, offsets[index]
+                        )
+                    offsets[index] += len(c.text)
+                choices.append(choice)
+            if choices:
+                yield {
+                    "id": rid,
+                    "object": kind,
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": choices,
+                }
+        if opts.include_usage:
+            yield {
+                "id": rid,
+                "object": kind,
+                "created": created,
+                "model": self.model_name,
+                "choices": [],
+                "usage": R.usage(prompt_tokens, sum(tokens.values())),
+            }
+
+
+# -- streams -------------------------------------------------------------------------
+
+
+def _engine_error(e: Exception) -> OpenAIError:
+    if isinstance(e, ValueError | TypeError):
+        return OpenAIError(str(e))
+    if isinstance(e, EngineOverloadedError):
+        return OpenAIError(str(e), 503, "service_unavailable", headers={"Retry-After": "1"})
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(str(e), 503, "service_unavailable")
+    if isinstance(e, RequestFailedError):
+        return OpenAIError(str(e), 500, "internal_error")
+    raise e
+
+
+async def _first_outputs(streams: list[AsyncGenerator[RequestOutput, None]]) -> list[RequestOutput]:
+    """Each stream's first output, together; on any error every stream is closed (its
+    request aborted) and the error becomes an OpenAIError."""
+    try:
+        results = await asyncio.gather(*[anext(s) for s in streams], return_exceptions=True)
+    except BaseException:  # cancelled: nothing may keep running
+        await _close(streams)
+        raise
+    for r in results:
+        if isinstance(r, BaseException):
+            await _close(streams)
+            if isinstance(r, Exception):
+                raise _engine_error(r) from None
+            raise r
+    return results  # type: ignore[return-value]
+
+
+async def _close(streams: list[AsyncGenerator[RequestOutput, None]]) -> None:
+    for s in streams:
+        await s.aclose()
+
+
+async def _last(stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+    last = None
+    try:
+        async for out in stream:
+            last = out
+    except Exception as e:
+        raise _engine_error(e) from None
+    assert last is not None
+    return last
+
+
+async def _merge(
+    streams: list[AsyncGenerator[RequestOutput, None]], firsts: list[RequestOutput]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from every stream as they come, starting with the firsts.
+    Leaving early (a client gone) closes every stream, which aborts its request."""
+    try:
+        for i, first in enumerate(firsts):
+            yield i, first
+        live = {i: s for i, s in enumerate(streams) if not firsts[i].finished}
+        if len(live) == 1:
+            ((i, s),) = live.items()
+            async for out in s:
+                yield i, out
+            return
+        pending = {asyncio.ensure_future(anext(s)): i for i, s in live.items()}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    i = pending.pop(fut)
+                    out = fut.result()
+                    yield i, out
+                    if not out.finished:
+                        pending[asyncio.ensure_future(anext(live[i]))] = i
+        finally:
+            for fut in pending:
+                fut.cancel()
+    finally:
+        await _close(streams)
+
+
+async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            yield b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+    except Exception as e:  # after the headers: the error goes in the stream
+        err = e if isinstance(e, OpenAIError) else _safe_error(e)
+        yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+def _safe_error(e: Exception) -> OpenAIError:
+    try:
+        return _engine_error(e)
+    except Exception:
+        return OpenAIError(f"internal error: {e}", 500, "internal_error")
+
+
+def build_app(
+    llm: AsyncLLM, model_name: str | None = None, api_key: str | None = None
+) -> Starlette:
+    """The OpenAI-compatible API over a started AsyncLLM (the caller owns its life
+    cycle). `model_name` is what /v1/models lists and requests must name (default: the
+    engine's model, or "default" for the embedded one); with `api_key`, /v1 routes need
+    `Authorization: Bearer <key>`."""
+    if not isinstance(llm, AsyncLLM):
+        raise TypeError(f"llm must be an AsyncLLM, got {type(llm).__name__}")
+    name = model_name or llm.args.model or "default"
+    server = OpenAIServer(llm, name, api_key)
+    routes = [
+        Route("/health", server.route(server.health, v1=False), methods=["GET"]),
+        Route("/metrics", server.route(server.metrics, v1=False), methods=["GET"]),
+        Route("/v1/models", server.route(server.models), methods=["GET"]),
+        Route("/v1/completions", server.route(server.completions), methods=["POST"]),
+        Route("/v1/chat/completions", server.route(server.chat_completions), methods=["POST"]),
+    ]
+    app = Starlette(routes=routes)
+    app.state.openai_server = server
+    return app

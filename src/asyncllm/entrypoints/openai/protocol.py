@@ -1,0 +1,208 @@
+"""OpenAI request bodies -> SamplingParams and prompts, and OpenAI-shaped errors.
+
+Bodies are plain JSON dicts, checked field by field: a field of the wrong type or out of
+range gets a 400 naming it (`param`), before anything reaches the engine. Fields the
+engine does not serve (`best_of` > 1, `echo`, `suffix`, `logit_bias` keyed by
+non-integers) are refused rather than ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from asyncllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class OpenAIError(Exception):
+    """An error the server answers with `{"error": {message, type, param, code}}`."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def _bad(param: str, message: str) -> OpenAIError:
+    return OpenAIError(f"{param}: {message}", param=param)
+
+
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise _bad(name, f"must be a number, got {type(v).__name__}")
+    return float(v)
+
+
+def _int(
+    body: dict[str, Any], name: str, default: int | None, low: int | None = None
+) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(name, f"must be an integer, got {type(v).__name__}")
+    if low is not None and v < low:
+        raise _bad(name, f"must be at least {low}, got {v}")
+    return v
+
+
+def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(name, f"must be a boolean, got {type(v).__name__}")
+    return v
+
+
+def _stop(body: dict[str, Any]) -> list[str] | None:
+    v = body.get("stop")
+    if v is None:
+        return None
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        if len(v) > 4:
+            raise _bad("stop", f"at most 4 sequences, got {len(v)}")
+        return list(v)
+    raise _bad("stop", "must be a string or a list of strings")
+
+
+@dataclass
+class Options:
+    """What a request asks of the server beyond sampling."""
+
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top-n per position (0: the sampled token only), None: none
+
+
+def sampling_params(body: dict[str, Any], chat: bool) -> tuple[SamplingParams, Options]:
+    """The request's SamplingParams (its errors become 400s naming the field)."""
+    stream = _bool(body, "stream", False)
+    stream_options = body.get("stream_options")
+    include_usage = False
+    if stream_options is not None:
+        if not isinstance(stream_options, dict):
+            raise _bad("stream_options", "must be an object")
+        if not stream:
+            raise _bad("stream_options", "is only allowed with stream: true")
+        include_usage = _bool(stream_options, "include_usage", False)
+    if chat:
+        max_tokens = _int(body, "max_completion_tokens", None, low=1)
+        if max_tokens is None:
+            max_tokens = _int(body, "max_tokens", None, low=1)
+        logprobs = None
+        if _bool(body, "logprobs", False):
+            logprobs = _int(body, "top_logprobs", 0, low=0)
+        elif body.get("top_logprobs") is not None:
+            raise _bad("top_logprobs", "needs logprobs: true")
+    else:
+        max_tokens = _int(body, "max_tokens", 16, low=1)
+        logprobs = _int(body, "logprobs", None, low=0)
+        if _int(body, "best_of", 1, low=1) != 1:
+            raise _bad("best_of", "only 1 is supported")
+        if _bool(body, "echo", False):
+            raise _bad("echo", "is not supported")
+        if body.get("suffix") is not None:
+            raise _bad("suffix", "is not supported")
+    logit_bias = body.get("logit_bias")
+    if logit_bias is not None:
+        if not isinstance(logit_bias, dict):
+            raise _bad("logit_bias", "must be an object of token id -> bias")
+        try:
+            logit_bias = {int(k): float(v) for k, v in logit_bias.items()}
+        except (TypeError, ValueError):
+            raise _bad("logit_bias", "keys must be token ids and values numbers") from None
+    try:
+        params = SamplingParams(
+            n=_int(body, "n", 1, low=1) or 1,
+            temperature=_number(body, "temperature", 1.0),
+            top_p=_number(body, "top_p", 1.0),
+            seed=_int(body, "seed", None),
+            max_tokens=max_tokens,
+            stop=_stop(body),
+            presence_penalty=_number(body, "presence_penalty", 0.0),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0),
+            logit_bias=logit_bias,
+            logprobs=logprobs,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        )
+    except (ValueError, TypeError) as e:
+        raise OpenAIError(str(e), param=_named_field(str(e))) from None
+    return params, Options(stream, include_usage, logprobs)
+
+
+def _named_field(message: str) -> str | None:
+    """The field an engine error names first (`max_tokens must be ...` -> max_tokens)."""
+    word = message.split(" ", 1)[0].strip(":")
+    return word if word.isidentifier() else None
+
+
+def completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    """`prompt`: a string, a list of token ids, or a list of either."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(
+            isinstance(p, list)
+            and p
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+            for p in prompt
+        ):
+            return list(prompt)
+    raise _bad("prompt", "must be a string, a list of token ids, or a non-empty list of either")
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """`messages`, with list-of-parts content joined to text, a part a line (only text
+    parts)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}]", "must be an object")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise _bad(f"messages[{i}].content[{j}]", "only text parts are supported")
+                if not isinstance(part.get("text"), str):
+                    raise _bad(f"messages[{i}].content[{j}].text", "must be a string")
+                texts.append(part["text"])
+            m = {**m, "content": "\n".join(texts)}
+        out.append(m)
+    return out

@@ -1,0 +1,78 @@
+"""RequestOutputs -> OpenAI response objects and stream chunks (plain dicts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncllm.outputs import CompletionOutput, PositionLogprobs
+
+
+def _token_text(tokenizer: Any, token_id: int, lp: Any) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return str(lp.decoded_token)
+    return str(tokenizer.decode([token_id])) if tokenizer is not None else str(token_id)
+
+
+def _tops(tokenizer: Any, position: PositionLogprobs, n: int) -> list[tuple[str, float]]:
+    ranked = sorted(position.items(), key=lambda kv: kv[1].rank)[:n]
+    return [(_token_text(tokenizer, t, lp), lp.logprob) for t, lp in ranked]
+
+
+def completion_logprobs(
+    tokenizer: Any, c: CompletionOutput, top_n: int, offset: int
+) -> dict[str, Any] | None:
+    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset
+    (offsets continue from `offset`, the text already sent for this choice)."""
+    if c.logprobs is None:
+        return None
+    tokens, values, tops, offsets = [], [], [], []
+    for tid, position in zip(c.token_ids, c.logprobs):
+        lp = position.get(tid)
+        text = _token_text(tokenizer, tid, lp)
+        tokens.append(text)
+        values.append(lp.logprob if lp is not None else None)
+        tops.append(dict(_tops(tokenizer, position, top_n)) if top_n else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokenizer: Any, c: CompletionOutput, top_n: int) -> dict[str, Any] | None:
+    """The chat shape: content = [{token, logprob, bytes, top_logprobs}]."""
+    if c.logprobs is None:
+        return None
+    content = []
+    for tid, position in zip(c.token_ids, c.logprobs):
+        lp = position.get(tid)
+        text = _token_text(tokenizer, tid, lp)
+        content.append(
+            {
+                "token": text,
+                "logprob": lp.logprob if lp is not None else None,
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
+                    for t, v in _tops(tokenizer, position, top_n)
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def finish_reason(c: CompletionOutput) -> str | None:
+    return (
+        None if c.finish_reason is None else ("length" if c.finish_reason == "length" else "stop")
+    )
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

@@ -1,0 +1,84 @@
+"""`asyncllm serve`: the OpenAI-compatible app on uvicorn, with the engine's life cycle.
+
+The engine starts before the port opens; SIGTERM or Ctrl-C stops accepting connections,
+lets streams in flight finish for up to `grace_period` seconds, then shuts the engine
+down. It binds to 127.0.0.1 unless told otherwise; port 0 takes a free port, and the
+line `asyncllm: serving '<name>' on http://<host>:<port>` on stderr says which.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import signal
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from asyncllm import envs
+from asyncllm.config import EngineArgs
+
+
+async def serve(
+    args: EngineArgs,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    grace_period: float = 10.0,
+    log_level: str = "warning",
+) -> None:
+    import uvicorn
+
+    from asyncllm.entrypoints.async_llm import AsyncLLM
+    from asyncllm.entrypoints.openai.app import build_app
+
+    if api_key is None:
+        api_key = envs.api_key()
+    llm = AsyncLLM.from_engine_args(args)
+    await llm.start()
+    try:
+        app = build_app(llm, served_model_name, api_key)
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            lifespan="off",
+            log_level=log_level,
+            timeout_graceful_shutdown=math.ceil(grace_period),
+        )
+        server = _server_class(uvicorn)(config)
+        name = app.state.openai_server.model_name
+        task = asyncio.ensure_future(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)  # (uvicorn offers no event for this)
+        if server.started:  # (port 0: the one the system chose)
+            bound = server.servers[0].sockets[0].getsockname()[1]
+            print(
+                f"asyncllm: serving {name!r} on http://{host}:{bound}", file=sys.stderr, flush=True
+            )
+        await task
+    finally:
+        await llm.shutdown()
+
+
+def _server_class(uvicorn: Any) -> type:
+    """uvicorn's Server, with SIGINT/SIGTERM handled on the loop and not raised again
+    after its graceful shutdown (uvicorn's own handlers do, which would end the process
+    before the engine is shut down)."""
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            loop = asyncio.get_running_loop()
+            signals = (signal.SIGINT, signal.SIGTERM)
+            for sig in signals:
+                loop.add_signal_handler(sig, self.handle_exit, sig, None)
+            try:
+                yield
+            finally:
+                for sig in signals:
+                    loop.remove_signal_handler(sig)
+
+    return Server

@@ -1,0 +1,365 @@
+"""`asyncllm serve` on 127.0.0.1 against the official `openai` client: the model-free
+executor (fixed tokens) behind the real tokenizer, so every answer is checkable; one
+server per module, one more for the API key and one that is killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.client import HTTPConnection
+from urllib.parse import urlsplit
+
+import pytest
+
+from tests.entrypoints.procs import children
+
+openai = pytest.importorskip("openai")  # (the test extra; the GPU machine lacks it)
+parser = pytest.importorskip("prometheus_client.parser")
+text_string_to_metric_families = parser.text_string_to_metric_families
+
+ENGINE = [
+    "--device", "cpu",
+    "--max-model-len", "256",
+    "--distributed-executor-backend", "asyncllm.executor.instant:InstantExecutor",
+]  # fmt: skip
+MODEL = "default"
+
+
+@dataclass
+class Answer:
+    status_code: int
+    headers: dict[str, str]
+    text: str
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def _request(method: str, url: str, body: bytes | None, headers: dict[str, str]) -> HTTPConnection:
+    parts = urlsplit(url)
+    conn = HTTPConnection(parts.hostname, parts.port, timeout=60)
+    conn.request(method, parts.path, body=body, headers=headers)
+    return conn
+
+
+def http(method: str, url: str, json_body=None, content: bytes | None = None) -> Answer:
+    headers = {"content-type": "application/json"}
+    body = (
+        content
+        if content is not None
+        else (None if json_body is None else json.dumps(json_body).encode())
+    )
+    conn = _request(method, url, body, headers)
+    resp = conn.getresponse()
+    answer = Answer(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read().decode())
+    conn.close()
+    return answer
+
+
+def get(url: str) -> Answer:
+    return http("GET", url)
+
+
+def post(url: str, json=None, content: bytes | None = None) -> Answer:
+    return http("POST", url, json, content)
+
+
+def stream_lines(url: str, json_body) -> tuple[HTTPConnection, Iterator[str]]:
+    """A streaming POST: the connection (close it to leave) and its lines."""
+    conn = _request(
+        "POST", url, json.dumps(json_body).encode(), {"content-type": "application/json"}
+    )
+    resp = conn.getresponse()
+    assert resp.status == 200
+
+    def lines() -> Iterator[str]:
+        for raw in resp:
+            line = raw.decode().rstrip("\n")
+            if line:
+                yield line
+
+    return conn, lines()
+
+
+class Server:
+    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
+        cmd = [sys.executable, "-m", "asyncllm.cli.main", "serve", "--port", "0", *ENGINE, *flags]
+        self.proc = subprocess.Popen(
+            cmd,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:  # until the server says where it listens
+            m = re.search(r"serving '.*' on (http://\S+)", line)
+            if m:
+                self.url = m.group(1)
+                break
+        else:
+            raise RuntimeError(f"the server exited ({self.proc.wait()}) before serving")
+
+    def client(self, api_key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
+
+    def metrics(self) -> dict[str, float]:
+        text = get(self.url + "/metrics").text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if not sample.labels:
+                    out[sample.name] = sample.value
+        return out
+
+    def wait_for(self, cond, what: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}")
+            time.sleep(0.05)
+
+    def core_pids(self) -> list[int]:
+        return children(self.proc.pid)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout=60)
+        assert self.proc.stderr is not None
+        self.proc.stderr.close()
+        return rc
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    s = Server("--max-num-seqs", "4", "--max-waiting-requests", "2")
+    try:
+        yield s
+    finally:
+        assert s.stop() == 0
+
+
+def test_models_and_health(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert get(server.url + "/health").status_code == 200
+
+
+def test_chat_and_completions_match_the_engine(server):
+    client = server.client()
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5
+    )
+    c = chat.choices[0]
+    assert c.finish_reason == "length" and c.message.role == "assistant" and c.message.content
+    assert chat.usage.completion_tokens == 5
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + 5
+    text = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
+    assert text.choices[0].finish_reason == "length" and text.usage.completion_tokens == 4
+    ids = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4)  # token ids
+    assert ids.usage.prompt_tokens == 3 and ids.usage.completion_tokens == 4
+    # content as a list of text parts is the same conversation
+    parts = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+        max_tokens=5,
+    )  # fmt: skip
+    assert parts.choices[0].message.content == c.message.content
+
+
+def test_streaming_gives_the_same_text_and_usage(server):
+    client = server.client()
+    full = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me"}], max_tokens=8
+    )
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me"}],
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    reasons = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
+    done = post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Hello", "max_tokens": 3, "stream": True},
+    )
+    assert done.text.rstrip().endswith("data: [DONE]")
+
+
+def test_stop_and_n(server):
+    client = server.client()
+    base = client.completions.create(model=MODEL, prompt="Count", max_tokens=12).choices[0].text
+    stop = base[len(base) // 2 :][:3]
+    assert stop.strip()
+    cut = client.completions.create(model=MODEL, prompt="Count", max_tokens=12, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == base[: base.index(stop)]
+    two = client.completions.create(model=MODEL, prompt="Count", max_tokens=4, n=2)
+    assert sorted(ch.index for ch in two.choices) == [0, 1]
+    assert two.usage.completion_tokens == 8
+
+
+def _error(resp: Answer, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def test_bad_requests_get_openai_errors_and_the_server_serves_on(server):
+    url = server.url + "/v1/completions"
+    err = _error(post(url, content=b"{not json"), 400)
+    assert "JSON" in err["message"]
+    err = _error(post(url, json={"model": MODEL, "prompt": "x", "max_tokens": -1}), 400)
+    assert err["param"] == "max_tokens"
+    long_prompt = " ".join(["hello"] * 400)  # past max_model_len 256
+    err = _error(post(url, json={"model": MODEL, "prompt": long_prompt}), 400)
+    assert "max_model_len" in err["message"]
+    err = _error(post(url, json={"model": "gpt-4", "prompt": "x"}), 404)
+    assert err["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        server.client().completions.create(model=MODEL, prompt="x", max_tokens=-3)
+    ok = server.client().completions.create(model=MODEL, prompt="still", max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+
+
+def test_overload_is_503_with_retry_after(server):
+    # Four running and two waiting at most: a batch of 12 long prompts cannot all wait.
+    resp = post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": [f"p{i}" for i in range(12)], "max_tokens": 200},
+    )
+    err = _error(resp, 503)
+    assert resp.headers["retry-after"] == "1" and "max_waiting_requests" in err["message"]
+    server.wait_for(lambda: server.metrics()["asyncllm_num_requests_running"] == 0, "idle")
+    assert server.client().completions.create(model=MODEL, prompt="x", max_tokens=2).choices
+
+
+def test_disconnect_mid_stream_aborts_the_request(server):
+    conn, lines = stream_lines(
+        server.url + "/v1/completions",
+        {"model": MODEL, "prompt": "Go on", "max_tokens": 240, "stream": True},
+    )
+    assert next(line for line in lines if line.startswith("data: {"))
+    conn.sock.shutdown(2)  # one chunk, then the client leaves
+    conn.close()
+    server.wait_for(
+        lambda: (
+            (m := server.metrics())["asyncllm_num_requests_running"] == 0
+            and m["asyncllm_num_requests_waiting"] == 0
+            and m["asyncllm_kv_cache_usage_perc"] == 0.0
+        ),
+        "the aborted request's blocks to come back",
+    )
+
+
+def test_metrics_parse(server):
+    server.client().completions.create(model=MODEL, prompt="x", max_tokens=3)
+    families = {
+        f.name: f for f in text_string_to_metric_families(get(server.url + "/metrics").text)
+    }
+    for name in (
+        "asyncllm_num_requests_running",
+        "asyncllm_num_requests_waiting",
+        "asyncllm_kv_cache_usage_perc",
+        "asyncllm_prefix_cache_hit_rate",
+        "asyncllm_time_to_first_token_seconds",
+        "asyncllm_e2e_request_latency_seconds",
+        "asyncllm_http_requests",
+    ):
+        assert name in families, name
+    ttft = families["asyncllm_time_to_first_token_seconds"]
+    count = next(s.value for s in ttft.samples if s.name.endswith("_count"))
+    assert count >= 1
+    http = families["asyncllm_http_requests"]
+    assert any(s.labels == {"route": "/v1/completions", "status": "200"} for s in http.samples)
+
+
+def test_api_key_then_a_dead_engine():
+    """With a key, /v1 needs it (and /health does not); once the engine core is killed,
+    every route answers 503."""
+    s = Server(env={"ASYNCLLM_API_KEY": "sekrit"})
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            s.client("wrong").models.list()
+        err = _error(get(s.url + "/v1/models"), 401)
+        assert err["code"] == "invalid_api_key"
+        assert [m.id for m in s.client("sekrit").models.list().data] == [MODEL]
+        assert get(s.url + "/health").status_code == 200
+        (core,) = s.core_pids()
+        os.kill(core, signal.SIGKILL)
+        s.wait_for(lambda: get(s.url + "/health").status_code == 503, "/health to say 503")
+        with pytest.raises(openai.InternalServerError) as dead:
+            s.client("sekrit").completions.create(model=MODEL, prompt="x")
+        assert dead.value.status_code == 503
+        assert _error(get(s.url + "/v1/models"), 503)["type"] == "service_unavailable"
+    finally:
+        s.stop()
+
+
+def test_build_app_refuses_what_is_not_an_async_llm():
+    from asyncllm.entrypoints.openai.app import build_app
+
+    with pytest.raises(TypeError, match="AsyncLLM"):
+        build_app(object())  # type: ignore[arg-type]
+
+
+def test_sigterm_lets_a_stream_finish():
+    s = Server("--grace-period", "30")
+    conn, lines = stream_lines(
+        s.url + "/v1/completions",
+        {"model": MODEL, "prompt": "Go", "max_tokens": 200, "stream": True},
+    )
+    first = next(line for line in lines if line.startswith("data: {"))
+    s.proc.send_signal(signal.SIGTERM)
+    rest = [line for line in lines if line.startswith("data: ")]
+    conn.close()
+    chunks = [json.loads(x[6:]) for x in [first, *rest] if x != "data: [DONE]"]
+    assert rest[-1] == "data: [DONE]"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert s.stop() == 0
+    assert not s.core_pids()
+
+
+def test_logprobs_from_the_embedded_model():
+    """The real SmolLM2 (the model-free executor has no logprobs): greedy, so each
+    sampled token is the first of its top list."""
+    s = Server("--max-model-len", "512", "--distributed-executor-backend", "uni")
+    try:
+        client = s.client()
+        lp = client.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2
+        )
+        got = lp.choices[0].logprobs
+        assert len(got.tokens) == 4 and "".join(got.tokens) == lp.choices[0].text
+        assert got.text_offset == [sum(len(t) for t in got.tokens[:i]) for i in range(4)]
+        for tok, value, top in zip(got.tokens, got.token_logprobs, got.top_logprobs):
+            assert len(top) == 2 and value <= 0.0
+            assert max(top.values()) == pytest.approx(value) and top[tok] == pytest.approx(value)
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+            temperature=0, logprobs=True, top_logprobs=2,
+        )  # fmt: skip
+        content = chat.choices[0].logprobs.content
+        assert (
+            len(content) == 3
+            and "".join(t.token for t in content) == chat.choices[0].message.content
+        )
+        for t in content:
+            assert [x.token for x in t.top_logprobs][0] == t.token
+            assert t.bytes == list(t.token.encode())
+    finally:
+        assert s.stop() == 0
