@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/demo.py
+	$(PY) examples/quickstart.py
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

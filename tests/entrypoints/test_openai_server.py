@@ -1,6 +1,7 @@
-"""`asyncllm serve` on 127.0.0.1 against the official `openai` client: the model-free
-executor (fixed tokens) behind the real tokenizer, so every answer is checkable; one
-server per module, one more for the API key and one that is killed."""
+"""`asyncllm serve` on 127.0.0.1 against the official `openai` client: one server with the
+embedded model for the API (greedy where answers are compared), and two with the
+model-free executor: one behind an API key that is then stopped with SIGTERM mid-stream,
+one whose engine core is killed."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.client import HTTPConnection
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -24,11 +26,9 @@ openai = pytest.importorskip("openai")  # (the test extra; the GPU machine lacks
 parser = pytest.importorskip("prometheus_client.parser")
 text_string_to_metric_families = parser.text_string_to_metric_families
 
-ENGINE = [
-    "--device", "cpu",
-    "--max-model-len", "256",
-    "--distributed-executor-backend", "asyncllm.executor.instant:InstantExecutor",
-]  # fmt: skip
+ENGINE = ["--device", "cpu", "--max-model-len", "256"]
+INSTANT = ["--distributed-executor-backend", "asyncllm.executor.instant:InstantExecutor"]
+G = dict(temperature=0, extra_body={"ignore_eos": True})  # greedy, to the length asked
 MODEL = "default"
 
 
@@ -71,11 +71,12 @@ def post(url: str, json=None, content: bytes | None = None) -> Answer:
     return http("POST", url, json, content)
 
 
-def stream_lines(url: str, json_body) -> tuple[HTTPConnection, Iterator[str]]:
+def stream_lines(
+    url: str, json_body, headers: dict[str, str] | None = None
+) -> tuple[HTTPConnection, Iterator[str]]:
     """A streaming POST: the connection (close it to leave) and its lines."""
-    conn = _request(
-        "POST", url, json.dumps(json_body).encode(), {"content-type": "application/json"}
-    )
+    headers = {"content-type": "application/json", **(headers or {})}
+    conn = _request("POST", url, json.dumps(json_body).encode(), headers)
     resp = conn.getresponse()
     assert resp.status == 200
 
@@ -139,7 +140,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    s = Server("--max-num-seqs", "4", "--max-waiting-requests", "2")
+    s = Server("--max-num-seqs", "4", "--max-waiting-requests", "2")  # the embedded model
     try:
         yield s
     finally:
@@ -155,20 +156,20 @@ def test_models_and_health(server):
 def test_chat_and_completions_match_the_engine(server):
     client = server.client()
     chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, **G
     )
     c = chat.choices[0]
     assert c.finish_reason == "length" and c.message.role == "assistant" and c.message.content
     assert chat.usage.completion_tokens == 5
     assert chat.usage.total_tokens == chat.usage.prompt_tokens + 5
-    text = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
+    text = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, **G)
     assert text.choices[0].finish_reason == "length" and text.usage.completion_tokens == 4
-    ids = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4)  # token ids
+    ids = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, **G)  # token ids
     assert ids.usage.prompt_tokens == 3 and ids.usage.completion_tokens == 4
     # content as a list of text parts is the same conversation
     parts = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
-        max_tokens=5,
+        max_tokens=5, **G,
     )  # fmt: skip
     assert parts.choices[0].message.content == c.message.content
 
@@ -176,7 +177,7 @@ def test_chat_and_completions_match_the_engine(server):
 def test_streaming_gives_the_same_text_and_usage(server):
     client = server.client()
     full = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Tell me"}], max_tokens=8
+        model=MODEL, messages=[{"role": "user", "content": "Tell me"}], max_tokens=8, **G
     )
     stream = client.chat.completions.create(
         model=MODEL,
@@ -184,6 +185,7 @@ def test_streaming_gives_the_same_text_and_usage(server):
         max_tokens=8,
         stream=True,
         stream_options={"include_usage": True},
+        **G,
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -201,13 +203,14 @@ def test_streaming_gives_the_same_text_and_usage(server):
 
 def test_stop_and_n(server):
     client = server.client()
-    base = client.completions.create(model=MODEL, prompt="Count", max_tokens=12).choices[0].text
+    base = client.completions.create(model=MODEL, prompt="Count", max_tokens=12, **G)
+    base = base.choices[0].text
     stop = base[len(base) // 2 :][:3]
     assert stop.strip()
-    cut = client.completions.create(model=MODEL, prompt="Count", max_tokens=12, stop=[stop])
+    cut = client.completions.create(model=MODEL, prompt="Count", max_tokens=12, stop=[stop], **G)
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == base[: base.index(stop)]
-    two = client.completions.create(model=MODEL, prompt="Count", max_tokens=4, n=2)
+    two = client.completions.create(model=MODEL, prompt="Count", max_tokens=4, n=2, **G)
     assert sorted(ch.index for ch in two.choices) == [0, 1]
     assert two.usage.completion_tokens == 8
 
@@ -288,10 +291,10 @@ def test_metrics_parse(server):
     assert any(s.labels == {"route": "/v1/completions", "status": "200"} for s in http.samples)
 
 
-def test_api_key_then_a_dead_engine():
-    """With a key, /v1 needs it (and /health does not); once the engine core is killed,
-    every route answers 503."""
-    s = Server(env={"ASYNCLLM_API_KEY": "sekrit"})
+def test_api_key_then_sigterm_lets_a_stream_finish():
+    """With a key, /v1 needs it (and /health does not); SIGTERM mid-stream lets the
+    stream finish, then the server and its engine core exit."""
+    s = Server(*INSTANT, "--grace-period", "30", env={"ASYNCLLM_API_KEY": "sekrit"})
     try:
         with pytest.raises(openai.AuthenticationError):
             s.client("wrong").models.list()
@@ -299,11 +302,34 @@ def test_api_key_then_a_dead_engine():
         assert err["code"] == "invalid_api_key"
         assert [m.id for m in s.client("sekrit").models.list().data] == [MODEL]
         assert get(s.url + "/health").status_code == 200
+        engine = s.core_pids()
+        conn, lines = stream_lines(
+            s.url + "/v1/completions",
+            {"model": MODEL, "prompt": "Go", "max_tokens": 200, "stream": True},
+            {"authorization": "Bearer sekrit"},
+        )
+        first = next(line for line in lines if line.startswith("data: {"))
+        s.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+        conn.close()
+        chunks = [json.loads(x[6:]) for x in [first, *rest] if x != "data: [DONE]"]
+        assert rest[-1] == "data: [DONE]"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) > 1
+    finally:
+        rc = s.stop()
+    assert rc == 0 and len(engine) == 1
+    assert not any(Path(f"/proc/{pid}").exists() for pid in engine)
+
+
+def test_dead_engine_is_503_everywhere():
+    s = Server(*INSTANT)
+    try:
         (core,) = s.core_pids()
         os.kill(core, signal.SIGKILL)
         s.wait_for(lambda: get(s.url + "/health").status_code == 503, "/health to say 503")
         with pytest.raises(openai.InternalServerError) as dead:
-            s.client("sekrit").completions.create(model=MODEL, prompt="x")
+            s.client().completions.create(model=MODEL, prompt="x")
         assert dead.value.status_code == 503
         assert _error(get(s.url + "/v1/models"), 503)["type"] == "service_unavailable"
     finally:
@@ -317,49 +343,26 @@ def test_build_app_refuses_what_is_not_an_async_llm():
         build_app(object())  # type: ignore[arg-type]
 
 
-def test_sigterm_lets_a_stream_finish():
-    s = Server("--grace-period", "30")
-    conn, lines = stream_lines(
-        s.url + "/v1/completions",
-        {"model": MODEL, "prompt": "Go", "max_tokens": 200, "stream": True},
+def test_logprobs(server):
+    """Greedy, so each sampled token is the first of its top list."""
+    client = server.client()
+    lp = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=4, logprobs=2, **G
     )
-    first = next(line for line in lines if line.startswith("data: {"))
-    s.proc.send_signal(signal.SIGTERM)
-    rest = [line for line in lines if line.startswith("data: ")]
-    conn.close()
-    chunks = [json.loads(x[6:]) for x in [first, *rest] if x != "data: [DONE]"]
-    assert rest[-1] == "data: [DONE]"
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert s.stop() == 0
-    assert not s.core_pids()
-
-
-def test_logprobs_from_the_embedded_model():
-    """The real SmolLM2 (the model-free executor has no logprobs): greedy, so each
-    sampled token is the first of its top list."""
-    s = Server("--max-model-len", "512", "--distributed-executor-backend", "uni")
-    try:
-        client = s.client()
-        lp = client.completions.create(
-            model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2
-        )
-        got = lp.choices[0].logprobs
-        assert len(got.tokens) == 4 and "".join(got.tokens) == lp.choices[0].text
-        assert got.text_offset == [sum(len(t) for t in got.tokens[:i]) for i in range(4)]
-        for tok, value, top in zip(got.tokens, got.token_logprobs, got.top_logprobs):
-            assert len(top) == 2 and value <= 0.0
-            assert max(top.values()) == pytest.approx(value) and top[tok] == pytest.approx(value)
-        chat = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
-            temperature=0, logprobs=True, top_logprobs=2,
-        )  # fmt: skip
-        content = chat.choices[0].logprobs.content
-        assert (
-            len(content) == 3
-            and "".join(t.token for t in content) == chat.choices[0].message.content
-        )
-        for t in content:
-            assert [x.token for x in t.top_logprobs][0] == t.token
-            assert t.bytes == list(t.token.encode())
-    finally:
-        assert s.stop() == 0
+    got = lp.choices[0].logprobs
+    assert len(got.tokens) == 4 and "".join(got.tokens) == lp.choices[0].text
+    assert got.text_offset == [sum(len(t) for t in got.tokens[:i]) for i in range(4)]
+    for tok, value, top in zip(got.tokens, got.token_logprobs, got.top_logprobs):
+        assert len(top) == 2 and value <= 0.0
+        assert max(top.values()) == pytest.approx(value) and top[tok] == pytest.approx(value)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+        logprobs=True, top_logprobs=2, **G,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert (
+        len(content) == 3 and "".join(t.token for t in content) == chat.choices[0].message.content
+    )
+    for t in content:
+        assert [x.token for x in t.top_logprobs][0] == t.token
+        assert t.bytes == list(t.token.encode())

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-
+from asyncllm.aio import Flag
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import RequestOutputKind
 
@@ -39,7 +38,7 @@ class RequestOutputCollector:
         self.kind = kind
         self.output: RequestOutput | None = None
         self.error: BaseException | None = None
-        self.ready = asyncio.Event()
+        self.ready = Flag()
 
     def put(self, out: RequestOutput) -> None:
         if self.output is None or self.kind is not RequestOutputKind.DELTA:

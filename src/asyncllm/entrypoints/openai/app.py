@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -263,20 +264,30 @@ def _engine_error(e: Exception) -> OpenAIError:
 
 
 async def _first_outputs(streams: list[AsyncGenerator[RequestOutput, None]]) -> list[RequestOutput]:
-    """Each stream's first output, together; on any error every stream is closed (its
-    request aborted) and the error becomes an OpenAIError."""
+    """Each stream's first output, together; at the first error the others are
+    cancelled, every stream is closed (its request aborted), and the error becomes an
+    OpenAIError."""
+    results: list[Any] = [None] * len(streams)
+    failures: list[Exception] = []
+
+    async def first(i: int, stream: AsyncGenerator[RequestOutput, None]) -> None:
+        try:
+            results[i] = await anext(stream)
+        except Exception as e:  # noqa: BLE001 (the caller raises it)
+            failures.append(e)
+            group.cancel_scope.cancel()
+
     try:
-        results = await asyncio.gather(*[anext(s) for s in streams], return_exceptions=True)
+        async with anyio.create_task_group() as group:
+            for i, stream in enumerate(streams):
+                group.start_soon(first, i, stream)
     except BaseException:  # cancelled: nothing may keep running
         await _close(streams)
         raise
-    for r in results:
-        if isinstance(r, BaseException):
-            await _close(streams)
-            if isinstance(r, Exception):
-                raise _engine_error(r) from None
-            raise r
-    return results  # type: ignore[return-value]
+    if failures:
+        await _close(streams)
+        raise _engine_error(failures[0]) from None
+    return results
 
 
 async def _close(streams: list[AsyncGenerator[RequestOutput, None]]) -> None:

@@ -151,6 +151,10 @@ def sampling_params(body: dict[str, Any], chat: bool) -> tuple[SamplingParams, O
             frequency_penalty=_number(body, "frequency_penalty", 0.0),
             logit_bias=logit_bias,
             logprobs=logprobs,
+            # vLLM's extra fields
+            top_k=_int(body, "top_k", 0) or 0,
+            min_tokens=_int(body, "min_tokens", 0, low=0) or 0,
+            ignore_eos=_bool(body, "ignore_eos", False),
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
     except (ValueError, TypeError) as e:

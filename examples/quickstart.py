@@ -1,13 +1,14 @@
 """Streams answers to several chat questions at once from the embedded SmolLM2-135M-Instruct,
-through AsyncLLM (an engine-core process batching all of them together).
+through AsyncLLM (an engine-core process batching all of them together), then prints
+the throughput.
 
-    make demo            # or: python examples/demo.py "your question" "another one"
+    make demo            # or: python examples/quickstart.py [--max-tokens N] "a question" ...
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import sys
 import time
 
 from asyncllm import AsyncLLM, RequestOutputKind, SamplingParams
@@ -20,18 +21,26 @@ QUESTIONS = [
 
 
 async def main() -> None:
-    questions = sys.argv[1:] or QUESTIONS
+    ap = argparse.ArgumentParser(description="Several chat answers streamed at once.")
+    ap.add_argument("questions", nargs="*", help="(default: three built-in questions)")
+    ap.add_argument("--max-tokens", type=int, default=160)
+    args = ap.parse_args()
+    questions = args.questions or QUESTIONS
     start = time.perf_counter()
     async with AsyncLLM() as llm:  # no model named: the embedded default
         print(f"[engine ready in {time.perf_counter() - start:.1f} s]\n")
         params = SamplingParams(
-            temperature=0.0, max_tokens=160, output_kind=RequestOutputKind.DELTA
+            temperature=0.0, max_tokens=args.max_tokens, output_kind=RequestOutputKind.DELTA
         )
 
+        tokens = 0
+
         async def answer(question: str, live: bool) -> str:
+            nonlocal tokens
             text = ""
             async for out in llm.chat([{"role": "user", "content": question}], params):
                 text += out.outputs[0].delta
+                tokens += len(out.outputs[0].token_ids)
                 if live:
                     print(out.outputs[0].delta, end="", flush=True)
             return text
@@ -50,6 +59,9 @@ async def main() -> None:
             f"[{len(questions)} answers in {elapsed:.1f} s, {stats['num_steps']} engine steps, "
             f"mean time to first token {stats['ttft_s']['mean']:.2f} s; "
             f"{stats['num_free_blocks']} of {stats['num_blocks']} KV blocks free]"
+        )
+        print(
+            f"[throughput: {tokens} output tokens in {elapsed:.1f} s, {tokens / elapsed:.1f} tok/s]"
         )
 
 
