@@ -3,19 +3,18 @@ process-separated clients beside it."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
 
-import anyio
-import anyio.lowlevel
 import msgspec
 import zmq
+import zmq.asyncio
 
-from asyncllm.aio import Slot
 from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.host_launcher import CoreProcess, startup_message
@@ -238,28 +237,25 @@ class SyncMPClient(_MPClientBase, EngineCoreClient):
 
 
 class AsyncMPClient(_MPClientBase):
-    """The engine core in its own process, for async code under asyncio or trio (on
-    anyio): sends never block the loop; an output-handler task receives outputs and
-    hands them to `on_outputs`. The output socket is waited on through its file
-    descriptor, which is edge-triggered: every wake-up drains it (zmq's EVENTS) before
-    waiting again, or messages would sit unread."""
+    """The engine core in its own process, for asyncio: sends never block the loop; an
+    output-handler task receives outputs and hands them to `on_outputs`."""
 
     def __init__(self, args: EngineArgs) -> None:
         super().__init__(args)
-        self.output = self.zmq_ctx.socket(zmq.PULL)
+        self.actx = zmq.asyncio.Context.shadow(self.zmq_ctx)
+        self.output = self.actx.socket(zmq.PULL)
         self.output.setsockopt(zmq.LINGER, 0)
         self.output.setsockopt(zmq.RCVHWM, 0)  # never stop reading: see _MPClientBase
         self.output.bind(self.process.output_addr)
-        self.calls: dict[int, Slot[UtilityResult]] = {}
-        self._handler_scope: anyio.CancelScope | None = None
-        self._handler_done: anyio.Event | None = None
+        self.calls: dict[int, asyncio.Future] = {}
+        self.handler: asyncio.Task | None = None
 
     async def start(self, ready_timeout: float = 600.0) -> None:
         self.process.start()
-        deadline = anyio.current_time() + ready_timeout
+        deadline = asyncio.get_running_loop().time() + ready_timeout
         try:
             while not self._try_send_config():
-                await anyio.sleep(0.01)
+                await asyncio.sleep(0.01)
         except EngineDeadError as e:
             raise EngineStartupError(str(e)) from e
         while True:
@@ -270,91 +266,63 @@ class AsyncMPClient(_MPClientBase):
             if msg is not None and msg[0] is MsgKind.READY:
                 self.info = msg[1]
                 return
-            if anyio.current_time() > deadline:
+            if asyncio.get_running_loop().time() > deadline:
                 raise EngineStartupError(
                     f"the engine core did not start within {ready_timeout:.0f} s"
                 )
 
-    def _recv_ready(self) -> tuple[MsgKind, Any] | None:
-        """One message if one is waiting, without blocking."""
-        if not int(self.output.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            return None
-        frames = self.output.recv_multipart(zmq.NOBLOCK)
-        kind, obj = self.decoder.decode(frames)
-        self._on_message(kind, obj)
-        return kind, obj
-
     async def _recv(self, timeout: float) -> tuple[MsgKind, Any] | None:
-        msg = self._recv_ready()
-        if msg is None:
-            with anyio.move_on_after(timeout):
-                await anyio.wait_readable(self.output.FD)
-            msg = self._recv_ready()
-        if msg is None:
-            self._check_process()
-        else:
-            await anyio.lowlevel.checkpoint()  # a busy stream still lets others run
-        return msg
+        if await self.output.poll(int(timeout * 1000)):
+            frames = await self.output.recv_multipart()
+            kind, obj = self.decoder.decode(frames)
+            self._on_message(kind, obj)
+            return kind, obj
+        self._check_process()
+        return None
 
     def run_output_handler(
-        self,
-        on_outputs: Callable[[EngineCoreOutputs], None],
-        on_dead: Callable[[str], None],
-        spawn: Callable[[Callable[[], Coroutine[Any, Any, None]]], None],
-    ) -> None:
-        """Starts the handler through `spawn` (a task group's start_soon, or the asyncio
-        loop's create_task); `shutdown()` stops it."""
-        self._handler_scope = anyio.CancelScope()
-        self._handler_done = anyio.Event()
-
-        async def loop() -> None:
-            assert self._handler_scope is not None and self._handler_done is not None
-            try:
-                with self._handler_scope:
-                    await self._handle(on_outputs, on_dead)
-            finally:
-                self._handler_done.set()
-
-        spawn(loop)
-
-    async def _handle(
         self, on_outputs: Callable[[EngineCoreOutputs], None], on_dead: Callable[[str], None]
     ) -> None:
-        try:
-            while True:
-                msg = await self._recv(POLL_S)
-                if msg is None:
-                    continue
-                kind, obj = msg
-                if kind is MsgKind.OUTPUTS:
-                    on_outputs(obj)
-                elif kind is MsgKind.UTILITY_RESULT:
-                    slot = self.calls.pop(obj.call_id, None)
-                    if slot is not None:
-                        slot.set_result(obj)
-        except EngineDeadError as e:
-            self._fail_calls(str(e))
-            on_dead(str(e))
-        except anyio.get_cancelled_exc_class():
-            raise
-        except Exception as e:  # noqa: BLE001 (a bug here must not hang requests)
-            self.dead_reason = f"output handler failed: {type(e).__name__}: {e}"
-            self._fail_calls(self.dead_reason)
-            on_dead(self.dead_reason)
+        async def loop() -> None:
+            try:
+                while True:
+                    msg = await self._recv(POLL_S)
+                    if msg is None:
+                        continue
+                    kind, obj = msg
+                    if kind is MsgKind.OUTPUTS:
+                        on_outputs(obj)
+                    elif kind is MsgKind.UTILITY_RESULT:
+                        fut = self.calls.pop(obj.call_id, None)
+                        if fut is not None and not fut.done():
+                            fut.set_result(obj)
+            except EngineDeadError as e:
+                self._fail_calls(str(e))
+                on_dead(str(e))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 (a bug here must not hang requests)
+                self.dead_reason = f"output handler failed: {type(e).__name__}: {e}"
+                self._fail_calls(self.dead_reason)
+                on_dead(self.dead_reason)
+
+        self.handler = asyncio.get_running_loop().create_task(
+            loop(), name="asyncllm-output-handler"
+        )
 
     def _fail_calls(self, reason: str) -> None:
-        for slot in self.calls.values():
-            slot.set_exception(EngineDeadError(reason))
+        for fut in self.calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))
         self.calls.clear()
 
     async def call_utility(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
         call_id = next(self._call_ids)
-        slot: Slot[UtilityResult] = Slot()
-        self.calls[call_id] = slot
+        fut = asyncio.get_running_loop().create_future()
+        self.calls[call_id] = fut
         self._send(UtilityCall(call_id, method, list(args)))
         try:
-            with anyio.fail_after(timeout):
-                result = await slot.get()
+            result: UtilityResult = await asyncio.wait_for(fut, timeout)
         finally:
             self.calls.pop(call_id, None)
         if result.error:
@@ -362,13 +330,14 @@ class AsyncMPClient(_MPClientBase):
         return result.result
 
     async def shutdown(self) -> None:
-        if self._handler_scope is not None and self._handler_done is not None:
-            self._handler_scope.cancel()
-            with anyio.CancelScope(shield=True):
-                await self._handler_done.wait()
+        if self.handler is not None:
+            self.handler.cancel()
+            try:
+                await self.handler
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
         self._fail_calls("the engine was shut down")
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self.process.stop)
+        await asyncio.to_thread(self.process.stop)
         self.output.close(linger=0)
         self._close_sockets()
         self.zmq_ctx.term()

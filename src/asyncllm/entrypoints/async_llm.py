@@ -16,11 +16,9 @@ raises EngineDeadError and later calls raise it at once.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Callable, Coroutine
+from collections.abc import AsyncGenerator
 from typing import Any
 
-import anyio
-import anyio.abc
 import msgspec
 
 # transformers comes with AsyncLLM (an application imports it before its loop runs):
@@ -30,7 +28,6 @@ import msgspec
 import transformers.activations  # noqa: F401
 from transformers import AutoConfig, AutoTokenizer  # noqa: F401
 
-from asyncllm.aio import backend, loop_identity
 from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.core_client import AsyncMPClient
 from asyncllm.engine.heap import freeze_startup_objects, unfreeze_objects
@@ -56,9 +53,7 @@ class AsyncLLM:
         self.client: AsyncMPClient | None = None
         self.frontend: Frontend | None = None
         self._collectors: dict[str, RequestOutputCollector] = {}
-        self._loop: Any = None  # the identity of the loop it was started in (aio.py)
-        self._task_group: anyio.abc.TaskGroup | None = None  # under trio: `async with`'s
-        self._handler_task: asyncio.Task[None] | None = None  # under asyncio: start()'s
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: str | None = None
         self._closed = False
         self._setup: SetupThread | None = None  # tokenization, chat templates
@@ -79,11 +74,10 @@ class AsyncLLM:
         leaves the instance as it was, so `start()` may be called again."""
         if self._loop is not None:
             raise RuntimeError("this AsyncLLM was already started")
-        spawn = self._spawner()
-        self._loop = loop_identity()
+        self._loop = asyncio.get_running_loop()
         client: AsyncMPClient | None = None
         try:
-            self.config, self.frontend = await anyio.to_thread.run_sync(create_host_side, self.args)
+            self.config, self.frontend = await asyncio.to_thread(create_host_side, self.args)
             try:
                 client = AsyncMPClient(self.args)
                 await client.start()
@@ -98,58 +92,18 @@ class AsyncLLM:
             self._loop = None
             raise
         self.client = client
-        client.run_output_handler(self._on_outputs, self._on_dead, spawn)
+        client.run_output_handler(self._on_outputs, self._on_dead)
         frontend = self.frontend
         assert frontend is not None
-        self._setup = SetupThread(lambda prompts: frontend.tokenize_prompts(prompts))
+        self._setup = SetupThread(self._loop, lambda prompts: frontend.tokenize_prompts(prompts))
         freeze_startup_objects(collect=False)  # (on the loop: no full collection)
         return self
 
-    def _spawner(self) -> Callable[[Callable[[], Coroutine[Any, Any, None]]], None]:
-        """How the output handler's task is started: in `async with`'s task group
-        (trio), or as a task of the asyncio loop."""
-        group = self._task_group
-        if group is not None:
-
-            def spawn_in_group(fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
-                group.start_soon(fn)
-
-            return spawn_in_group
-        if backend() != "asyncio":
-            raise RuntimeError(
-                f"under {backend()}, use `async with AsyncLLM(...) as llm:` (its output task "
-                "lives in that block's task group); start()/shutdown() alone need asyncio"
-            )
-        loop = asyncio.get_running_loop()
-
-        def spawn(fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
-            self._handler_task = loop.create_task(fn(), name="asyncllm-output-handler")
-
-        return spawn
-
     async def __aenter__(self) -> AsyncLLM:
-        if backend() == "asyncio":
-            return await self.start()
-        group = anyio.create_task_group()
-        await group.__aenter__()
-        self._task_group = group
-        try:
-            return await self.start()
-        except BaseException:
-            await self._close_task_group()
-            raise
+        return await self.start()
 
     async def __aexit__(self, *exc: object) -> None:
-        try:
-            await self.shutdown()
-        finally:
-            await self._close_task_group()
-
-    async def _close_task_group(self) -> None:
-        group, self._task_group = self._task_group, None
-        if group is not None:
-            group.cancel_scope.cancel()
-            await group.__aexit__(None, None, None)
+        await self.shutdown()
 
     async def shutdown(self) -> None:
         if self._closed:
@@ -193,7 +147,11 @@ class AsyncLLM:
             )
         if self._closed:
             raise EngineDeadError("the engine was shut down")
-        if loop_identity() is not self._loop:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not self._loop:
             raise RuntimeError(
                 "AsyncLLM is used from an event loop other than the one it was started on; "
                 "create it inside the loop that uses it"

@@ -1,78 +1,73 @@
-"""Request setup for AsyncLLM, off the event loop and batched (asyncio or trio).
+"""Request setup for AsyncLLM, off the event loop and batched.
 
-Text prompts that arrive together (in one pass of the loop, or while a batch is being
-tokenized) are tokenized in one tokenizer call in a worker thread; the loop's work per
-request is an append and a wait. The first request to find no batch running leads the
-next one: it yields once (the others of this pass join), hands the whole batch to the
-thread, and sets every result; that work is shielded, so a leader that is cancelled
-meanwhile still finishes the batch the others wait on. Chat templates run in the same
-one-at-a-time thread limiter, one call each.
+Text prompts that arrive together (in one pass of the loop, or while the setup thread is
+busy with earlier ones) are tokenized in one tokenizer call in the setup thread; the
+loop's work per request is a future and an append, and one callback per batch sets the
+results. Other setup work (chat templates) runs in the same thread, one call each.
 """
 
 from __future__ import annotations
 
-import functools
+import asyncio
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-
-import anyio
-import anyio.lowlevel
-
-from asyncllm.aio import Flag, Slot
 
 
 class SetupThread:
-    def __init__(self, tokenize_many: Callable[[list[Any]], list[Any]]) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        tokenize_many: Callable[[list[Any]], list[Any]],
+    ) -> None:
+        self._loop = loop
         self._tokenize_many = tokenize_many
-        self._limiter = anyio.CapacityLimiter(1)
-        self._pending: list[tuple[Any, Slot[Any]]] = []
-        self._busy = False  # a leader is gathering or tokenizing a batch
-        self._batch_done = Flag()  # set (and replaced) each time a batch ends
-        self._closed = False
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="asyncllm-setup")
+        self._pending: list[tuple[Any, asyncio.Future[Any]]] = []
+        self._busy = False  # a batch is being tokenized, or its flush is scheduled
 
     async def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
         """`tokenize_prompt(prompt)`, batched with the prompts that arrive with it."""
-        if self._closed:
-            raise RuntimeError("the engine was shut down")
-        slot: Slot[Any] = Slot()
-        self._pending.append((prompt, slot))
-        while not slot.done():
-            if self._busy:
-                done = self._batch_done
-                await done.wait()
-            else:
-                await self._lead()
-        result = await slot.get()
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        self._pending.append((prompt, fut))
+        if not self._busy:
+            self._busy = True
+            self._loop.call_soon(self._flush)  # after the others of this loop pass
+        result = await fut
         if isinstance(result, Exception):
             raise result
         return result
 
-    async def _lead(self) -> None:
-        self._busy = True
-        try:
-            with anyio.CancelScope(shield=True):
-                await anyio.lowlevel.checkpoint()  # the others of this pass join the batch
-                batch, self._pending = self._pending, []
-                prompts = [p for p, _ in batch]
-                try:
-                    results = await anyio.to_thread.run_sync(
-                        self._tokenize_many, prompts, limiter=self._limiter
-                    )
-                except Exception as e:  # noqa: BLE001 (each waiter gets it)
-                    results = [e] * len(batch)
-                for (_, slot), result in zip(batch, results):
-                    slot.set_result(result)
-        finally:
-            self._busy = False
-            done, self._batch_done = self._batch_done, Flag()
-            done.set()
-
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` in the setup thread."""
-        return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=self._limiter)
+        return await self._loop.run_in_executor(self._pool, fn, *args)
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        batch = [(p, f) for p, f in batch if not f.cancelled()]
+        if not batch:
+            self._busy = False
+            return
+        work = self._loop.run_in_executor(self._pool, self._tokenize_many, [p for p, _ in batch])
+        work.add_done_callback(lambda done: self._deliver(batch, done))
+
+    def _deliver(self, batch: list[tuple[Any, asyncio.Future[Any]]], done: Any) -> None:
+        if done.cancelled():
+            error: BaseException | None = RuntimeError("request setup was cancelled")
+        else:
+            error = done.exception()
+        results = [error] * len(batch) if error is not None else done.result()
+        for (_, fut), result in zip(batch, results):
+            if not fut.done():
+                fut.set_result(result)
+        self._busy = False
+        if self._pending:
+            self._busy = True
+            self._flush()
 
     def shutdown(self) -> None:
-        self._closed = True
-        for _, slot in self._pending:
-            slot.set_exception(RuntimeError("the engine was shut down"))
+        self._pool.shutdown(wait=False)
+        for _, fut in self._pending:
+            if not fut.done():
+                fut.set_exception(RuntimeError("the engine was shut down"))
         self._pending = []

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from asyncllm.aio import Flag
+import asyncio
+
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import RequestOutputKind
 
@@ -38,7 +39,7 @@ class RequestOutputCollector:
         self.kind = kind
         self.output: RequestOutput | None = None
         self.error: BaseException | None = None
-        self.ready = Flag()
+        self.ready = asyncio.Event()
 
     def put(self, out: RequestOutput) -> None:
         if self.output is None or self.kind is not RequestOutputKind.DELTA:
