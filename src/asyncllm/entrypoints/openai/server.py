@@ -48,27 +48,28 @@ async def serve(
             log_level=log_level,
             timeout_graceful_shutdown=math.ceil(grace_period),
         )
-        server = _server_class(uvicorn)(config)
-        name = app.state.openai_server.model_name
-        task = asyncio.ensure_future(server.serve())
-        while not server.started and not task.done():
-            await asyncio.sleep(0.05)  # (uvicorn offers no event for this)
-        if server.started:  # (port 0: the one the system chose)
-            bound = server.servers[0].sockets[0].getsockname()[1]
-            print(
-                f"asyncllm: serving {name!r} on http://{host}:{bound}", file=sys.stderr, flush=True
-            )
-        await task
+        server = _server_class(uvicorn, app.state.openai_server.model_name, host)(config)
+        await server.serve()
     finally:
         await llm.shutdown()
 
 
-def _server_class(uvicorn: Any) -> type:
+def _server_class(uvicorn: Any, name: str, host: str) -> type:
     """uvicorn's Server, with SIGINT/SIGTERM handled on the loop and not raised again
     after its graceful shutdown (uvicorn's own handlers do, which would end the process
-    before the engine is shut down)."""
+    before the engine is shut down), that says where it listens once it does."""
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.servers:  # (port 0: the one the system chose)
+                port = self.servers[0].sockets[0].getsockname()[1]
+                print(
+                    f"asyncllm: serving {name!r} on http://{host}:{port}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             loop = asyncio.get_running_loop()
