@@ -125,3 +125,41 @@ def test_startup(capsys, engine_flags, monkeypatch):
     assert stages["first request: 16 tokens"] >= stages["first request: first token"]
     assert stages["AsyncLLM.start()"] > stages["core: load weights"]
     assert run["loop_lag_ms_max"] >= run["loop_lag_ms_p99"] >= 0
+
+
+def test_device_gaps_on_a_synthetic_trace():
+    from asyncllm.bench.step_profile import STEP_MARK, device_gaps
+
+    events = []
+
+    def step(ts, dur):
+        events.append(
+            {"name": STEP_MARK, "ph": "X", "cat": "user_annotation", "ts": ts, "dur": dur}
+        )
+
+    def kernel(corr, launch, ts, dur, cat="kernel"):
+        events.append(
+            {
+                "cat": "cuda_runtime",
+                "ph": "X",
+                "ts": launch,
+                "dur": 1,
+                "args": {"correlation": corr},
+            }
+        )
+        events.append({"cat": cat, "ph": "X", "ts": ts, "dur": dur, "args": {"correlation": corr}})
+
+    # Three steps on the host; the device runs 100-150 and 155-200 (step 0), 210-300
+    # (step 1, a copy then a kernel), 300-390 (step 2). A kernel launched outside every
+    # step is not counted.
+    step(0, 50), step(60, 50), step(120, 50)
+    kernel(1, 10, 100, 50), kernel(2, 20, 155, 45)
+    kernel(3, 70, 210, 40, cat="gpu_memcpy"), kernel(4, 80, 250, 50)
+    kernel(5, 130, 300, 90)
+    kernel(6, 500, 400, 10)
+    gaps = device_gaps(events)
+    assert gaps["steps"] == 3
+    assert gaps["between_us"] == pytest.approx((10 + 0) / 2)
+    assert gaps["between_frac"] == pytest.approx(10 / 290)
+    assert gaps["idle_frac"] == pytest.approx((5 + 10) / 290)
+    assert device_gaps(events[:2])["steps"] == 0

@@ -16,8 +16,9 @@ stages are wall times of the engine's own functions (wrapped, not changed):
 
 The stages are timed without a profiler; a second run of as many steps under
 `torch.profiler` gives the device side (CUDA only, read from its Chrome trace): `gpu`,
-the sum of the step's kernel times, and the kernels that take most of it; and `replay`, one replay of the step's decode graph
-alone between CUDA events (launch gaps included). `--cprofile FILE` writes Python-level
+the sum of the step's kernel times, and the kernels that take most of it; the device's
+idle time between consecutive steps and in all (`device_gaps`); and `replay`, one replay
+of the step's decode graph alone between CUDA events (launch gaps included). `--cprofile FILE` writes Python-level
 stats of the timed steps, `--trace-dir DIR` each batch's Chrome trace.
 
     python -m asyncllm.bench.step_profile --model benchmarks/configs/qwen3-0.6b \
@@ -83,6 +84,59 @@ def _time_replay(runner: Any, batch: int) -> float | None:
     return statistics.median(times[1:])
 
 
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def device_gaps(events: list[dict[str, Any]], mark: str = STEP_MARK) -> dict[str, float]:
+    """How long the device sat idle in a Chrome trace of consecutive steps.
+
+    Each device event (kernel, copy, memset) belongs to the step whose host-side `mark`
+    range holds the runtime call that launched it (matched by correlation id). Over the
+    steps with device events: `between_us`, the idle time between the last device event
+    of one step and the first of the next, per step boundary; `between_frac`, that idle
+    time over the span from the first step's first event to the last step's last event;
+    `idle_frac`, all idle time in that span (between and inside steps) over the span.
+    """
+    steps = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("name") == mark and e.get("ph") == "X" and e.get("cat") == "user_annotation"
+    )
+    launch_ts = {
+        e["args"]["correlation"]: e["ts"]
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    groups: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in DEVICE_CATS:
+            continue
+        ts = launch_ts.get(e.get("args", {}).get("correlation"))
+        if ts is None:
+            continue
+        for i, (start, end) in enumerate(steps):
+            if start <= ts <= end:
+                groups[i].append((e["ts"], e["ts"] + e["dur"]))
+                break
+    order = sorted(groups)
+    if len(order) < 2:
+        return {"between_us": 0.0, "between_frac": 0.0, "idle_frac": 0.0, "steps": len(order)}
+    spans = [(min(a for a, _ in groups[i]), max(b for _, b in groups[i])) for i in order]
+    total = spans[-1][1] - spans[0][0]
+    between = sum(max(0.0, nxt[0] - cur[1]) for cur, nxt in zip(spans, spans[1:]))
+    busy, reach = 0.0, spans[0][0]
+    for a, b in sorted(iv for i in order for iv in groups[i]):
+        if b > reach:
+            busy += b - max(a, reach)
+            reach = b
+    return {
+        "between_us": between / (len(order) - 1),
+        "between_frac": between / total,
+        "idle_frac": (total - busy) / total,
+        "steps": len(order),
+    }
+
+
 def profile_batch(
     llm: Any,
     batch: int,
@@ -133,7 +187,7 @@ def profile_batch(
     row: dict[str, Any] = {stage: times[stage] / steps * 1e6 for stage in STAGES}
     row["step"] = wall / steps * 1e6
     row["other"] = row["step"] - sum(row[s] for s in STAGES)
-    row["gpu"] = row["replay"] = None
+    row["gpu"] = row["replay"] = row["device"] = None
     row["kernels"] = {}
     if cuda:
         # Pass 2: the same steps under torch.profiler, for the kernels' device time.
@@ -163,6 +217,7 @@ def profile_batch(
         row["gpu"] = sum(per_kernel.values())
         top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]
         row["kernels"] = {name: round(us, 1) for name, us in top}
+        row["device"] = device_gaps(events)
         row["replay"] = _time_replay(runner, batch)
     unwrap_apply()
     engine.abort_request([*core.scheduler.requests])
@@ -225,6 +280,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         )
     )
     for r in rows:
+        if (gaps := r["device"]) is not None:
+            print(
+                f"batch {r['batch']}: device idle between steps {gaps['between_us']:.1f} µs "
+                f"a step, {100 * gaps['between_frac']:.2f}% of the time; idle in all "
+                f"{100 * gaps['idle_frac']:.2f}% (over {gaps['steps']} steps of the trace)"
+            )
         for name, us in r["kernels"].items():
             print(f"  batch {r['batch']}: {us:>8.1f} µs  {name}")
     print(json.dumps(result))
