@@ -238,24 +238,63 @@ class SyncMPClient(_MPClientBase, EngineCoreClient):
 
 class AsyncMPClient(_MPClientBase):
     """The engine core in its own process, for asyncio: sends never block the loop; an
-    output-handler task receives outputs and hands them to `on_outputs`."""
+    output-handler task receives outputs and hands them to `on_outputs`. TrioMPClient
+    below is the same client under trio: it overrides only the loop-specific hooks
+    (the output socket, sleeping, the clock, futures, the handler task)."""
 
     def __init__(self, args: EngineArgs) -> None:
         super().__init__(args)
-        self.actx = zmq.asyncio.Context.shadow(self.zmq_ctx)
-        self.output = self.actx.socket(zmq.PULL)
+        self.output = self._output_socket()
         self.output.setsockopt(zmq.LINGER, 0)
         self.output.setsockopt(zmq.RCVHWM, 0)  # never stop reading: see _MPClientBase
         self.output.bind(self.process.output_addr)
-        self.calls: dict[int, asyncio.Future] = {}
+        self.calls: dict[int, Any] = {}  # call id -> the loop's future for its result
         self.handler: asyncio.Task | None = None
+
+    # -- the loop-specific hooks (asyncio here) -------------------------------------------
+
+    def _output_socket(self) -> Any:
+        self.actx = zmq.asyncio.Context.shadow(self.zmq_ctx)
+        return self.actx.socket(zmq.PULL)
+
+    async def _recv_frames(self, timeout: float) -> list[Any] | None:
+        if await self.output.poll(int(timeout * 1000)):
+            frames: list[Any] = await self.output.recv_multipart()
+            return frames
+        return None
+
+    async def _sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    def _future(self) -> Any:
+        return asyncio.get_running_loop().create_future()
+
+    async def _wait_result(self, fut: Any, timeout: float) -> UtilityResult:
+        result: UtilityResult = await asyncio.wait_for(fut, timeout)
+        return result
+
+    def _spawn_handler(self, run: Callable[[], Any], nursery: Any) -> None:
+        self.handler = asyncio.get_running_loop().create_task(run(), name="asyncllm-output-handler")
+
+    async def _stop_handler(self) -> None:
+        if self.handler is not None:
+            self.handler.cancel()
+            try:
+                await self.handler
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+
+    async def _to_thread(self, fn: Callable[[], Any]) -> None:
+        await asyncio.to_thread(fn)
+
+    # -- shared ----------------------------------------------------------------------------
 
     async def start(self, ready_timeout: float = 600.0) -> None:
         self.process.start()
-        deadline = asyncio.get_running_loop().time() + ready_timeout
+        deadline = time.monotonic() + ready_timeout
         try:
             while not self._try_send_config():
-                await asyncio.sleep(0.01)
+                await self._sleep(0.01)
         except EngineDeadError as e:
             raise EngineStartupError(str(e)) from e
         while True:
@@ -266,14 +305,14 @@ class AsyncMPClient(_MPClientBase):
             if msg is not None and msg[0] is MsgKind.READY:
                 self.info = msg[1]
                 return
-            if asyncio.get_running_loop().time() > deadline:
+            if time.monotonic() > deadline:
                 raise EngineStartupError(
                     f"the engine core did not start within {ready_timeout:.0f} s"
                 )
 
     async def _recv(self, timeout: float) -> tuple[MsgKind, Any] | None:
-        if await self.output.poll(int(timeout * 1000)):
-            frames = await self.output.recv_multipart()
+        frames = await self._recv_frames(timeout)
+        if frames is not None:
             kind, obj = self.decoder.decode(frames)
             self._on_message(kind, obj)
             return kind, obj
@@ -281,8 +320,14 @@ class AsyncMPClient(_MPClientBase):
         return None
 
     def run_output_handler(
-        self, on_outputs: Callable[[EngineCoreOutputs], None], on_dead: Callable[[str], None]
+        self,
+        on_outputs: Callable[[EngineCoreOutputs], None],
+        on_dead: Callable[[str], None],
+        nursery: Any = None,
     ) -> None:
+        """Receives the core's messages in a background task (under trio, in `nursery`)
+        until the core dies or `shutdown()`."""
+
         async def loop() -> None:
             try:
                 while True:
@@ -299,16 +344,12 @@ class AsyncMPClient(_MPClientBase):
             except EngineDeadError as e:
                 self._fail_calls(str(e))
                 on_dead(str(e))
-            except asyncio.CancelledError:
-                raise
             except Exception as e:  # noqa: BLE001 (a bug here must not hang requests)
                 self.dead_reason = f"output handler failed: {type(e).__name__}: {e}"
                 self._fail_calls(self.dead_reason)
                 on_dead(self.dead_reason)
 
-        self.handler = asyncio.get_running_loop().create_task(
-            loop(), name="asyncllm-output-handler"
-        )
+        self._spawn_handler(loop, nursery)
 
     def _fail_calls(self, reason: str) -> None:
         for fut in self.calls.values():
@@ -318,11 +359,11 @@ class AsyncMPClient(_MPClientBase):
 
     async def call_utility(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
         call_id = next(self._call_ids)
-        fut = asyncio.get_running_loop().create_future()
+        fut = self._future()
         self.calls[call_id] = fut
         self._send(UtilityCall(call_id, method, list(args)))
         try:
-            result: UtilityResult = await asyncio.wait_for(fut, timeout)
+            result = await self._wait_result(fut, timeout)
         finally:
             self.calls.pop(call_id, None)
         if result.error:
@@ -330,14 +371,71 @@ class AsyncMPClient(_MPClientBase):
         return result.result
 
     async def shutdown(self) -> None:
-        if self.handler is not None:
-            self.handler.cancel()
-            try:
-                await self.handler
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
+        await self._stop_handler()
         self._fail_calls("the engine was shut down")
-        await asyncio.to_thread(self.process.stop)
+        await self._to_thread(self.process.stop)
         self.output.close(linger=0)
         self._close_sockets()
         self.zmq_ctx.term()
+
+
+class TrioMPClient(AsyncMPClient):
+    """AsyncMPClient under trio. The output socket is a plain ZMQ socket whose readiness
+    descriptor trio waits on. That descriptor is edge-triggered: it signals once when
+    messages arrive, however many, so the socket's own event flags are read before every
+    wait and messages are taken while they say one is there (else a stream stalls with
+    messages queued). The handler runs in the caller's nursery, in its own cancel scope."""
+
+    def _output_socket(self) -> Any:
+        import trio
+
+        self._trio = trio
+        self._scope: Any = None
+        return self.zmq_ctx.socket(zmq.PULL)
+
+    async def _recv_frames(self, timeout: float) -> list[Any] | None:
+        with self._trio.move_on_after(timeout):
+            while not self.output.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                await self._trio.lowlevel.wait_readable(self.output.getsockopt(zmq.FD))
+            frames: list[Any] = self.output.recv_multipart(zmq.NOBLOCK)
+            return frames
+        return None
+
+    async def _sleep(self, seconds: float) -> None:
+        await self._trio.sleep(seconds)
+
+    def _future(self) -> Any:
+        from asyncllm.aio import Slot
+
+        return Slot()
+
+    async def _wait_result(self, fut: Any, timeout: float) -> UtilityResult:
+        try:
+            with self._trio.fail_after(timeout):
+                result: UtilityResult = await fut
+                return result
+        except self._trio.TooSlowError:
+            raise TimeoutError(f"no answer within {timeout} s") from None
+
+    def _spawn_handler(self, run: Callable[[], Any], nursery: Any) -> None:
+        if nursery is None:
+            raise RuntimeError("under trio the output handler needs a nursery")
+        scope = self._scope = self._trio.CancelScope()
+        ended = self._ended = self._trio.Event()
+
+        async def in_scope() -> None:
+            try:
+                with scope:
+                    await run()
+            finally:
+                ended.set()
+
+        nursery.start_soon(in_scope, name="asyncllm-output-handler")
+
+    async def _stop_handler(self) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+            await self._ended.wait()  # (it no longer waits on the socket, which closes next)
+
+    async def _to_thread(self, fn: Callable[[], Any]) -> None:
+        await self._trio.to_thread.run_sync(fn)

@@ -11,11 +11,14 @@ tokenized in order by one worker thread. Leaving an `async for` early (`break`, 
 generator closed by `contextlib.aclosing` or collected), cancelling its task or a
 timeout aborts that request in the core. If the core dies, every pending generator
 raises EngineDeadError and later calls raise it at once.
+
+Under trio (the loop's primitives from `asyncllm.aio`) the life cycle is `async with
+AsyncLLM(...) as llm:`, whose nursery holds the output task; cancel scopes abort requests
+as asyncio's cancellation does.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -28,8 +31,9 @@ import msgspec
 import transformers.activations  # noqa: F401
 from transformers import AutoConfig, AutoTokenizer  # noqa: F401
 
+from asyncllm.aio import AsyncioLoop, TrioLoop, running_loop
 from asyncllm.config import EngineArgs, EngineConfig
-from asyncllm.engine.core_client import AsyncMPClient
+from asyncllm.engine.core_client import AsyncMPClient, TrioMPClient
 from asyncllm.engine.heap import freeze_startup_objects, unfreeze_objects
 from asyncllm.engine.llm_engine import create_host_side, startup_error
 from asyncllm.entrypoints.setup_batch import SetupThread
@@ -53,7 +57,8 @@ class AsyncLLM:
         self.client: AsyncMPClient | None = None
         self.frontend: Frontend | None = None
         self._collectors: dict[str, RequestOutputCollector] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._aio: AsyncioLoop | TrioLoop | None = None  # the loop it was started on
+        self._nursery_cm: Any = None  # under trio, `async with`'s nursery
         self._dead: str | None = None
         self._closed = False
         self._setup: SetupThread | None = None  # tokenization, chat templates
@@ -71,15 +76,25 @@ class AsyncLLM:
     async def start(self) -> AsyncLLM:
         """Resolves the model, loads the tokenizer and starts the engine core, all off
         the event loop. Any failure raises EngineStartupError (the cause chained) and
-        leaves the instance as it was, so `start()` may be called again."""
-        if self._loop is not None:
+        leaves the instance as it was, so `start()` may be called again. Under trio,
+        use `async with AsyncLLM(...)` instead (its nursery holds the output task)."""
+        return await self._start(nursery=None)
+
+    async def _start(self, nursery: Any) -> AsyncLLM:
+        if self._aio is not None:
             raise RuntimeError("this AsyncLLM was already started")
-        self._loop = asyncio.get_running_loop()
+        aio = running_loop()
+        if isinstance(aio, TrioLoop) and nursery is None:
+            raise RuntimeError(
+                "under trio, start AsyncLLM with `async with AsyncLLM(...) as llm:` (its "
+                "output task needs the block's nursery); start() works under asyncio only"
+            )
+        self._aio = aio
         client: AsyncMPClient | None = None
         try:
-            self.config, self.frontend = await asyncio.to_thread(create_host_side, self.args)
+            self.config, self.frontend = await aio.to_thread(create_host_side, self.args)
             try:
-                client = AsyncMPClient(self.args)
+                client = AsyncMPClient(self.args) if nursery is None else TrioMPClient(self.args)
                 await client.start()
             except EngineStartupError:
                 raise  # (the client's own: already says why)
@@ -87,23 +102,45 @@ class AsyncLLM:
                 raise startup_error(e) from e
         except BaseException:
             if client is not None:
-                await client.shutdown()
+                with aio.shielded():
+                    await client.shutdown()
             self.config = self.frontend = None
-            self._loop = None
+            self._aio = None
             raise
         self.client = client
-        client.run_output_handler(self._on_outputs, self._on_dead)
+        client.run_output_handler(self._on_outputs, self._on_dead, nursery)
         frontend = self.frontend
         assert frontend is not None
-        self._setup = SetupThread(self._loop, lambda prompts: frontend.tokenize_prompts(prompts))
+        self._setup = SetupThread(aio, lambda prompts: frontend.tokenize_prompts(prompts))
         freeze_startup_objects(collect=False)  # (on the loop: no full collection)
         return self
 
     async def __aenter__(self) -> AsyncLLM:
-        return await self.start()
+        if not isinstance(running_loop(), TrioLoop):
+            return await self.start()
+        import trio
+
+        self._nursery_cm = trio.open_nursery()
+        nursery = await self._nursery_cm.__aenter__()
+        try:
+            return await self._start(nursery)
+        except BaseException:
+            await self._exit_nursery()
+            raise
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.shutdown()
+        try:
+            await self.shutdown()
+        finally:
+            await self._exit_nursery()
+
+    async def _exit_nursery(self) -> None:
+        """Leaves trio's nursery once its output task has ended (shutdown cancelled it
+        and waited). The block's own exception, if any, goes on from `__aexit__`
+        unwrapped. (The nursery's scope must close at the level it opened: no shield.)"""
+        cm, self._nursery_cm = self._nursery_cm, None
+        if cm is not None:
+            await cm.__aexit__(None, None, None)
 
     async def shutdown(self) -> None:
         if self._closed:
@@ -112,7 +149,9 @@ class AsyncLLM:
         self._fail_all(EngineDeadError("the engine was shut down"))
         try:
             if self.client is not None:
-                await self.client.shutdown()
+                assert self._aio is not None
+                with self._aio.shielded():
+                    await self.client.shutdown()
         finally:
             if self._setup is not None:
                 self._setup.shutdown()
@@ -141,17 +180,13 @@ class AsyncLLM:
         """The frontend and the client, if this instance may be used from here now."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        if self.client is None or self.frontend is None or self._loop is None:
+        if self.client is None or self.frontend is None or self._aio is None:
             raise RuntimeError(
                 "AsyncLLM is not started: use `async with AsyncLLM(...)` or `await llm.start()`"
             )
         if self._closed:
             raise EngineDeadError("the engine was shut down")
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        if loop is not self._loop:
+        if not self._aio.is_current():
             raise RuntimeError(
                 "AsyncLLM is used from an event loop other than the one it was started on; "
                 "create it inside the loop that uses it"
@@ -205,7 +240,8 @@ class AsyncLLM:
             tokenized = await self._setup.tokenize(prompt)
             frontend, client = self._check_usable()  # (it may have died meanwhile)
         core_reqs = frontend.add_request(request_id, prompt, params, priority, tokenized)
-        collector = RequestOutputCollector(params.output_kind)
+        assert self._aio is not None  # (_check_usable passed)
+        collector = RequestOutputCollector(params.output_kind, self._aio.event())
         self._collectors[request_id] = collector
         finished = False
         try:

@@ -3,36 +3,38 @@
 Text prompts that arrive together (in one pass of the loop, or while the setup thread is
 busy with earlier ones) are tokenized in one tokenizer call in the setup thread; the
 loop's work per request is a future and an append, and one callback per batch sets the
-results. Other setup work (chat templates) runs in the same thread, one call each.
+results. Other setup work (chat templates) runs in the same thread, one call each. The
+loop's primitives come from `asyncllm.aio` (asyncio's own, or trio's).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from asyncllm.aio import AsyncioLoop, FutureLike, TrioLoop
 
 
 class SetupThread:
     def __init__(
         self,
-        loop: asyncio.AbstractEventLoop,
+        aio: AsyncioLoop | TrioLoop,
         tokenize_many: Callable[[list[Any]], list[Any]],
     ) -> None:
-        self._loop = loop
+        self._aio = aio
         self._tokenize_many = tokenize_many
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="asyncllm-setup")
-        self._pending: list[tuple[Any, asyncio.Future[Any]]] = []
+        self._pending: list[tuple[Any, FutureLike]] = []
         self._busy = False  # a batch is being tokenized, or its flush is scheduled
 
     async def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
         """`tokenize_prompt(prompt)`, batched with the prompts that arrive with it."""
-        fut: asyncio.Future[Any] = self._loop.create_future()
+        fut = self._aio.future()
         self._pending.append((prompt, fut))
         if not self._busy:
             self._busy = True
-            self._loop.call_soon(self._flush)  # after the others of this loop pass
+            self._aio.call_soon(self._flush)  # after the others of this loop pass
         result = await fut
         if isinstance(result, Exception):
             raise result
@@ -40,7 +42,7 @@ class SetupThread:
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` in the setup thread."""
-        return await self._loop.run_in_executor(self._pool, fn, *args)
+        return await self._aio.submit(self._pool, fn, *args)
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
@@ -48,10 +50,10 @@ class SetupThread:
         if not batch:
             self._busy = False
             return
-        work = self._loop.run_in_executor(self._pool, self._tokenize_many, [p for p, _ in batch])
+        work = self._aio.submit(self._pool, self._tokenize_many, [p for p, _ in batch])
         work.add_done_callback(lambda done: self._deliver(batch, done))
 
-    def _deliver(self, batch: list[tuple[Any, asyncio.Future[Any]]], done: Any) -> None:
+    def _deliver(self, batch: list[tuple[Any, FutureLike]], done: FutureLike) -> None:
         if done.cancelled():
             error: BaseException | None = RuntimeError("request setup was cancelled")
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from asyncllm.aio import EventLike
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import RequestOutputKind
 
@@ -35,11 +36,11 @@ class RequestOutputCollector:
     """Holds what a request's generator has not consumed yet: at most one output, into
     which later ones are merged, so memory stays bounded whatever the consumer's pace."""
 
-    def __init__(self, kind: RequestOutputKind) -> None:
+    def __init__(self, kind: RequestOutputKind, ready: EventLike | None = None) -> None:
         self.kind = kind
         self.output: RequestOutput | None = None
         self.error: BaseException | None = None
-        self.ready = asyncio.Event()
+        self.ready = ready if ready is not None else asyncio.Event()  # (or trio's: aio.Flag)
 
     def put(self, out: RequestOutput) -> None:
         if self.output is None or self.kind is not RequestOutputKind.DELTA:
