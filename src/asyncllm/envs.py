@@ -12,6 +12,9 @@ so a test or a host that sets a variable before starting an engine is heard.
   an engine has started, so full collections no longer walk them (default `1`).
 - `ASYNCLLM_API_KEY`: the key `asyncllm serve` requires on /v1 when `--api-key` is not
   given.
+- `ASYNCLLM_PROGRESS`: `0` hides the progress bars of model conversion and weight
+  loading (`asyncllm ... --quiet` sets it); by default they are drawn on stderr when it
+  is a terminal (default `1`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ VARIABLES = (
     "ASYNCLLM_LOG_LEVEL",
     "ASYNCLLM_GC_FREEZE",
     "ASYNCLLM_API_KEY",
+    "ASYNCLLM_PROGRESS",
 )
 
 
@@ -54,3 +58,12 @@ def gc_freeze_enabled() -> bool:
 def api_key() -> str | None:
     """The key `asyncllm serve` requires on /v1 when --api-key is not given."""
     return os.environ.get("ASYNCLLM_API_KEY") or None
+
+
+def progress_enabled() -> bool:
+    return os.environ.get("ASYNCLLM_PROGRESS", "1") != "0"
+
+
+def hide_progress() -> None:
+    """ASYNCLLM_PROGRESS=0 here and in the engine-core processes started from here."""
+    os.environ["ASYNCLLM_PROGRESS"] = "0"

@@ -106,16 +106,20 @@ def _check_plain(value: Any, path: str, depth: int = 0) -> None:
 @dataclass
 class SamplingParams:
     n: int = 1
-    """Completions per prompt, in [1, 65536]."""
+    """Completions per prompt (each its own sequence, sharing the prompt's KV blocks), in
+    [1, 65536]."""
     temperature: float = 1.0
-    """0 (or below 1e-5): greedy. Finite, non-negative."""
+    """Divides the logits before sampling: higher is more random. 0 (or below 1e-5):
+    greedy, the most likely token every step. Finite, non-negative."""
     top_p: float = 1.0
-    """In (0, 1]."""
+    """Nucleus sampling: draw only from the smallest set of tokens whose probabilities add
+    up to top_p. In (0, 1]; 1 keeps every token."""
     top_k: int = 0
-    """0 or -1: no limit; otherwise in [1, 2**31 - 1] (values past the vocabulary keep it
-    all)."""
+    """Draw only from the k most likely tokens. 0 or -1: no limit; otherwise in
+    [1, 2**31 - 1] (values past the vocabulary keep it all)."""
     min_p: float = 0.0
-    """In [0, 1]."""
+    """Drop tokens whose probability is below min_p times the most likely one's. In
+    [0, 1]; 0 keeps every token."""
     seed: int | None = None
     """Seeds this request's draws: the same seed, prompt and params give the same
     tokens, whatever else is in the batch. None or -1 (as in vLLM, -1 means unseeded and
@@ -123,31 +127,50 @@ class SamplingParams:
     [-2**63, 2**64 - 1] (what torch.Generator.manual_seed accepts). With n > 1, child i
     gets seed + i."""
     max_tokens: int | None = 16
-    """In [1, 2**63 - 1]; None: up to max_model_len. Capped by the room the prompt leaves."""
+    """The most tokens to generate, in [1, 2**63 - 1]; None: up to max_model_len. Capped
+    by the room the prompt leaves (finish reason 'length')."""
     min_tokens: int = 0
-    """In [0, max_tokens]: eos and stop tokens cannot end the request before these."""
+    """Tokens to generate before eos and stop tokens may end the request, in
+    [0, max_tokens]."""
     stop: str | list[str] | None = None
+    """Strings that end the request when they appear in the output text (finish reason
+    'stop', stop_reason the string); the string itself is left out of the text unless
+    include_stop_str_in_output."""
     stop_token_ids: list[int] | None = None
-    """Token ids in [0, 2**31 - 1] (the frontend checks them against the vocabulary)."""
+    """Token ids that end the request when sampled (kept in the output ids), in
+    [0, 2**31 - 1] (the frontend checks them against the vocabulary)."""
     ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token (for benchmarks: every request runs
+    to max_tokens)."""
     presence_penalty: float = 0.0
-    """In [-2, 2]."""
+    """Subtracted from the logit of every token already in the output: above 0, new
+    tokens are favoured. In [-2, 2]."""
     frequency_penalty: float = 0.0
-    """In [-2, 2]."""
+    """Subtracted from a token's logit once per time it appears in the output: above 0,
+    repetition is discouraged. In [-2, 2]."""
     repetition_penalty: float = 1.0
-    """Positive, finite."""
+    """Divides positive (multiplies negative) logits of tokens in the prompt or the
+    output: above 1, repetition is discouraged; 1 does nothing. Positive, finite."""
     logit_bias: dict[int, float] | None = None
-    """Token id in [0, 2**31 - 1] -> a finite bias (or -inf: never that token)."""
+    """Added to the logits of the given tokens before sampling: token id in
+    [0, 2**31 - 1] -> a finite bias (or -inf: never that token)."""
     logprobs: int | None = None
-    """Top logprobs per sampled token, in [0, 2**31 - 1] (and at most max_logprobs)."""
+    """Log-probabilities to return per sampled token: the sampled one plus this many of
+    the most likely; None: none. In [0, 2**31 - 1] (and at most max_logprobs)."""
     prompt_logprobs: int | None = None
-    """Top logprobs per prompt token, in [0, 2**31 - 1] (and at most max_logprobs)."""
+    """Log-probabilities to return per prompt token (the token plus this many of the most
+    likely); None: none. In [0, 2**31 - 1] (and at most max_logprobs)."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """What each streamed output holds: CUMULATIVE (everything so far), DELTA (only what
+    is new since the last output) or FINAL_ONLY (one output, at the end)."""
     skip_special_tokens: bool = True
+    """Leave special tokens (eos, chat markers) out of the detokenized text."""
     include_stop_str_in_output: bool = False
+    """Keep the stop string that ended the request at the end of the text."""
     extra_args: dict[str, Any] | None = None
-    """For logits processors: str keys, plain data values (str, int, float, bool, None,
-    lists and str-keyed dicts of those), since it crosses the wire as msgpack."""
+    """Per-request arguments for logits processors: str keys, plain data values (str,
+    int, float, bool, None, lists and str-keyed dicts of those), since it crosses the
+    wire as msgpack."""
 
     def __post_init__(self) -> None:
         if self.seed == -1 and _is_int(self.seed):

@@ -129,3 +129,14 @@ def test_chat_ctrl_c_stops_only_the_answer():
     finally:
         status = _leave(child)
     assert status == 0
+
+
+def test_every_sampling_param_has_a_docstring():
+    import dataclasses
+
+    from asyncllm import SamplingParams
+
+    docs = field_docs(SamplingParams)
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert set(docs) == names, names - set(docs)
+    assert all(len(doc.split()) >= 4 for doc in docs.values())

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from asyncllm import envs
 from asyncllm.cli.args import add_dataclass_flags, dataclass_kwargs
 from asyncllm.config import EngineArgs
 
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds streams may finish after SIGTERM (default: 10)",
     )
     p.add_argument("--log-level", default="warning", help="uvicorn's (default: warning)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     _engine_flags(p)
 
     p = sub.add_parser("bench", help="the package's benchmarks", add_help=False)
@@ -94,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    if getattr(ns, "quiet", False):
+        envs.hide_progress()
     try:
         if ns.command == "bench":
             import importlib

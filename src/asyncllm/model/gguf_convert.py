@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from asyncllm.model.progress import progress
+
 logger = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 1
@@ -138,7 +140,8 @@ def _write_folder(gguf_path: Path, out: Path) -> None:
 
     reader = GGUFReader(str(gguf_path))
     cfg = gguf_config(reader)
-    tensors = {name: torch.from_numpy(w) for name, w in iter_gguf_tensors(reader, cfg)}
+    items = progress(iter_gguf_tensors(reader, cfg), "converting", total=len(reader.tensors))
+    tensors = {name: torch.from_numpy(w) for name, w in items}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     del tensors
     config = LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"})

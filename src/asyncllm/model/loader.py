@@ -21,6 +21,7 @@ from asyncllm.config import ModelConfig
 from asyncllm.model.attention.backend import AttentionBackend
 from asyncllm.model.interface import CausalLM
 from asyncllm.model.layers.linear import cpu_packing_available
+from asyncllm.model.progress import progress
 from asyncllm.model.registry import resolve_model_class
 
 DUMMY_WEIGHT_RANGE = 1e-3
@@ -61,7 +62,8 @@ def iter_safetensors(files: list[Path], device: torch.device) -> Iterator[tuple[
     target = "cpu" if device.type == "cpu" else str(device)
     for f in files:
         with safe_open(str(f), framework="pt", device=target) as st:
-            for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+            names = list(st.keys())  # (safe_open is not a dict)
+            for name in progress(names, f"loading {f.name}"):
                 yield name, st.get_tensor(name)
 
 
