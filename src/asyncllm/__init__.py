@@ -16,7 +16,7 @@ from asyncllm.errors import (
     RequestFailedError,
 )
 from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
-from asyncllm.sampling_params import RequestOutputKind, SamplingParams
+from asyncllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from asyncllm.entrypoints.async_llm import AsyncLLM
@@ -37,6 +37,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
 ]
 

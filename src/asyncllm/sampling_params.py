@@ -104,6 +104,55 @@ def _check_plain(value: Any, path: str, depth: int = 0) -> None:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrains a request's output to a formal language (vLLM's names): exactly one of
+    json, regex, choice, grammar or json_object. Enforced by xgrammar: each step, the
+    tokens that cannot continue a valid output are masked before sampling."""
+
+    json: dict[str, Any] | str | None = None
+    """A JSON schema (a dict, or its JSON text): the output is one JSON value valid for
+    it."""
+    regex: str | None = None
+    """A regular expression the whole output matches."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """An EBNF (GBNF) grammar whose `root` rule the output matches."""
+    json_object: bool = False
+    """The output is any JSON object."""
+    disable_any_whitespace: bool = True
+    """JSON without free whitespace between tokens (vLLM's `disable_any_whitespace`), so a
+    small model cannot loop on blanks; False allows it."""
+
+    def verify(self) -> None:
+        set_ = [
+            n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(set_) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object; got {set_ or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise TypeError(
+                f"structured_outputs.json must be a dict or a str, got {type(self.json).__name__}"
+            )
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise TypeError(f"structured_outputs.{name} must be a non-empty str")
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise TypeError("structured_outputs.choice must be a non-empty list of non-empty str")
+        for name in ("json_object", "disable_any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"structured_outputs.{name} must be a bool")
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     """Completions per prompt (each its own sequence, sharing the prompt's KV blocks), in
@@ -171,6 +220,9 @@ class SamplingParams:
     """Per-request arguments for logits processors: str keys, plain data values (str,
     int, float, bool, None, lists and str-keyed dicts of those), since it crosses the
     wire as msgpack."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrains the output to a JSON schema, a regex, a choice or a grammar (see
+    StructuredOutputsParams)."""
 
     def __post_init__(self) -> None:
         if self.seed == -1 and _is_int(self.seed):
@@ -229,6 +281,11 @@ class SamplingParams:
             if not isinstance(self.extra_args, dict):
                 raise TypeError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
             _check_plain(self.extra_args, "extra_args")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise TypeError(
+                f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}"
+            )
         if not isinstance(self.output_kind, int) or isinstance(self.output_kind, bool):
             raise TypeError(
                 f"output_kind must be a RequestOutputKind, got {type(self.output_kind).__name__}"
@@ -283,6 +340,8 @@ class SamplingParams:
                 )
             if bias != float("-inf"):
                 _as_float(f"logit_bias[{tok}]", bias)
+        if self.structured_outputs is not None:
+            self.structured_outputs.verify()
         if self.output_kind not in _OUTPUT_KINDS:
             raise ValueError(
                 f"output_kind must be one of {[k.name for k in RequestOutputKind]}, "
@@ -297,4 +356,4 @@ class SamplingParams:
         return replace(self, **changes)
 
 
-__all__ = ["RequestOutputKind", "SamplingParams"]
+__all__ = ["RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]

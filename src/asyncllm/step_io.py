@@ -7,6 +7,7 @@ can use it without either reaching up the dependency chain.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from asyncllm.sampling_params import SamplingParams
 
@@ -43,6 +44,10 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    # Structured outputs: row i of the bitmask (int32, 32 tokens a word; a set bit allows
+    # the token) constrains the token that structured_req_ids[i] samples this step.
+    structured_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
+from typing import Any
 
 from asyncllm.sampling_params import SamplingParams
 
@@ -85,6 +86,7 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_tokens = len(self.all_token_ids)  # kept in step with all_token_ids (hot path)
         self.block_hashes: list[bytes] = []
+        self.structured: Any = None  # StructuredRequest: its grammar and matcher, if any
         self._block_hasher = block_hasher
         if block_hasher is not None:
             self.block_hashes.extend(block_hasher(self))

@@ -36,6 +36,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as futures_wait
+from typing import TYPE_CHECKING
 
 from asyncllm.config import SchedulerConfig, SchedulingPolicy
 from asyncllm.core.block_pool import KVCacheBlock
@@ -43,6 +46,9 @@ from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.request_queue import create_request_queue
 from asyncllm.messages import EngineCoreOutput, ErrorKind, RequestError, SchedulerStats
+
+if TYPE_CHECKING:
+    from asyncllm.structured.manager import StructuredOutputManager
 from asyncllm.step_io import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -102,11 +108,18 @@ class Scheduler:
     """Owns every unfinished request: `requests` by id, `waiting` (a queue under the
     policy) and `running` (in the order their tokens go into each batch)."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        structured: StructuredOutputManager | None = None,
+    ) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.structured = structured
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.policy)
+        self.compiling: list[Request] = []  # waiting for their grammars, not yet queued
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # for the runner to forget, next step
         self.stats = SchedulerStats(num_blocks=kv_cache_manager.num_blocks)
@@ -121,8 +134,34 @@ class Scheduler:
         of a finished one may be reused)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        so = request.sampling_params.structured_outputs
+        if so is not None:
+            if self.structured is None:
+                raise ValueError("structured_outputs are not available in this engine")
+            request.structured = self.structured.request(so)
+            self.requests[request.request_id] = request
+            self.compiling.append(request)  # queued once its grammar is ready
+            return
         self.requests[request.request_id] = request
         self.waiting.add(request)
+
+    def _queue_compiled(self, wait: bool) -> None:
+        """Queues the requests whose grammars are ready and ends those whose grammars
+        failed. With `wait` (nothing else to schedule), waits for the first one."""
+        if wait and not any(r.structured.future.done() for r in self.compiling):
+            futures_wait([r.structured.future for r in self.compiling], return_when=FIRST_COMPLETED)
+        still, failed = [], []
+        for req in self.compiling:
+            if not req.structured.ready():
+                still.append(req)
+            elif (error := req.structured.error()) is not None:
+                failed.append((req, error))
+            else:
+                self.waiting.add(req)
+        self.compiling = still
+        for req, error in failed:
+            why = f"its structured output cannot be compiled: {error}"
+            self._error_outputs.append(self._fail(req, ErrorKind.INVALID, why))
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Ends requests from outside (an abort, or a stop string the frontend found)
@@ -139,6 +178,9 @@ class Scheduler:
         running = {id(r) for r in ended if r.status == RequestStatus.RUNNING}
         if running:
             self.running = [r for r in self.running if id(r) not in running]
+        ended_ids = {id(r) for r in ended}
+        if self.compiling:
+            self.compiling = [r for r in self.compiling if id(r) not in ended_ids]
         self.waiting.remove_many([r for r in ended if id(r) not in running])
         for req in ended:
             req.status = status
@@ -207,13 +249,14 @@ class Scheduler:
         return len(self._in_flight)
 
     def has_unfinished_requests(self) -> bool:
-        """Whether `schedule()` has anyone to schedule (running or waiting)."""
-        return bool(self.running) or len(self.waiting) > 0
+        """Whether `schedule()` has anyone to schedule (running, waiting, or waiting for
+        its grammar)."""
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.compiling)
 
     @property
     def num_unfinished_requests(self) -> int:
         """Running plus waiting requests."""
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.compiling)
 
     # -- one step ------------------------------------------------------------------
 
@@ -224,6 +267,9 @@ class Scheduler:
         step had run, so the runner must run every step it is given. The output may
         schedule no token (nothing fits) yet still carry ids for the runner to forget.
         """
+        if self.compiling:
+            idle = not self.running and not len(self.waiting) and not self._in_flight
+            self._queue_compiled(wait=idle)
         step = _StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted:  # the pool is short: admitting would only preempt again
@@ -243,10 +289,13 @@ class Scheduler:
             req = self.running[i]
             pending = req.num_output_placeholders
             if pending and (
-                req.num_output_tokens + pending >= req.max_tokens
+                req.structured is not None
+                or req.num_output_tokens + pending >= req.max_tokens
                 or req.num_tokens + pending >= max_len
             ):
-                i += 1  # its last token is on its way: nothing more to compute
+                # Its last token is on its way: nothing more to compute. Or its grammar
+                # must see the token in flight before it can mask the next one.
+                i += 1
                 continue
             n = self._num_new_tokens(req, req.num_computed_tokens, step.budget)
             if n <= 0:  # with budget left: it never will get a token
@@ -423,6 +472,13 @@ class Scheduler:
             num_prefill_tokens=prefill,
             num_decode_tokens=decode,
         )
+        structured = [e.req for e in scheduled if e.samples and e.req.structured is not None]
+        if structured:
+            assert self.structured is not None  # (it made their constraints)
+            out.grammar_bitmask = self.structured.allocate_bitmask(len(structured))
+            for row, req in enumerate(structured):
+                req.structured.fill(out.grammar_bitmask, row)
+            out.structured_req_ids = [r.request_id for r in structured]
         if scheduled:
             self._in_flight[id(out)] = (out, scheduled)
         return out
@@ -479,9 +535,16 @@ class Scheduler:
         new_tokens: list[int] = []
         finished = False
         for token in runner.sampled_token_ids.get(rid, ()):
+            if req.structured is not None and not req.structured.accept(token):
+                # (the mask allows only tokens the grammar accepts: a bug if it did not)
+                return self._fail(req, ErrorKind.FAILED, f"token {token} breaks its grammar")
             req.append_output_token_ids(token)
             new_tokens.append(token)
             if self._check_stop(req):
+                finished = True
+                break
+            if req.structured is not None and req.structured.matcher.is_terminated():
+                req.status = RequestStatus.FINISHED_STOPPED  # (its grammar is complete)
                 finished = True
                 break
         prompt_lp = runner.prompt_logprobs.get(rid) if runner.prompt_logprobs else None

@@ -31,6 +31,7 @@ from asyncllm.messages import (
 )
 from asyncllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from asyncllm.step_io import SchedulerOutput
+from asyncllm.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +50,19 @@ class EngineCore:
             config.model.max_model_len,
             cache.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        vocab_size = getattr(config.model.hf_config, "vocab_size", None)
+        self.vocab_size: int | None = int(vocab_size) if vocab_size is not None else None
+        self.structured = StructuredOutputManager(
+            None if config.skip_tokenizer_init else config.model.tokenizer,
+            self.vocab_size or 0,
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.structured)
         self._block_hasher = (
             make_block_hasher(cache.block_size) if cache.enable_prefix_caching else None
         )
         self._pending_outputs: list[EngineCoreOutput] = []
         self._depth = 2 if config.scheduler.async_scheduling else 1
         self._in_flight: deque[tuple[SchedulerOutput, StepFuture]] = deque()
-        vocab_size = getattr(config.model.hf_config, "vocab_size", None)
-        self.vocab_size: int | None = int(vocab_size) if vocab_size is not None else None
 
     def _check_request(self, req: EngineCoreRequest) -> int:
         """What the frontend guarantees, checked again: a request may come straight
@@ -189,4 +194,5 @@ class EngineCore:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()

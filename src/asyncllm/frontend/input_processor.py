@@ -12,6 +12,7 @@ from typing import Any
 from asyncllm.config import EngineConfig
 from asyncllm.messages import EngineCoreRequest
 from asyncllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from asyncllm.structured.grammar import check as check_structured
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -169,6 +170,12 @@ class InputProcessor:
                 raise ValueError(f"logit_bias has token id {t}, outside [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer (skip_tokenizer_init is set)")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "structured_outputs need the tokenizer (skip_tokenizer_init is set)"
+                )
+            check_structured(params.structured_outputs)
         return params
 
     def process(

@@ -43,6 +43,7 @@ from asyncllm.model.attention.backend import AttentionBackend, CommonAttentionMe
 from asyncllm.model.attention.torch_native import TorchNativeBackend
 from asyncllm.model.interface import CausalLM
 from asyncllm.model.loader import load_model
+from asyncllm.sample import ops
 from asyncllm.sample.logits_processor import LogitsProcessor, load_logits_processor_class
 from asyncllm.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
 from asyncllm.sampling_params import SamplingParams
@@ -354,6 +355,8 @@ class ModelRunner:
         # logprobs depends on the tokens it had when the step began.
         prompt_rows = self._prompt_logprob_rows(inputs)
         hidden, logits = self._run_model(inputs, prompt_rows)
+        if so.grammar_bitmask is not None:
+            self._apply_grammar_bitmask(so, inputs, logits)
         groups, sample_failed = self._sample(inputs, logits)
         del logits
         prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)
@@ -601,6 +604,23 @@ class ModelRunner:
                     )
                 )
         return out
+
+    def _apply_grammar_bitmask(
+        self, so: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor
+    ) -> None:
+        """Masks the logits of the structured-output requests that sample this step with
+        their rows of the scheduler's bitmask (on the device)."""
+        index = {rid: k for k, rid in enumerate(so.structured_req_ids)}
+        pairs = [
+            (k, index[inputs.states[i].req_id])
+            for k, i in enumerate(inputs.samples)
+            if inputs.states[i].req_id in index
+        ]
+        if not pairs:
+            return
+        rows = torch.tensor([k for k, _ in pairs], device=self.device)
+        masks = so.grammar_bitmask[[j for _, j in pairs]].to(self.device, non_blocking=True)
+        ops.apply_token_bitmask(logits, rows, masks)
 
     def _sample(
         self, inputs: StepInputs, logits: torch.Tensor

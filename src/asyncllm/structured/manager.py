@@ -1,0 +1,92 @@
+"""The engine core's side of structured outputs (after vLLM v1's StructuredOutputManager).
+
+Grammars compile in a small thread pool, cached by key, so the step loop never waits for
+one while it has other work; a request waits in the scheduler until its grammar is
+ready, and a grammar that fails ends only that request. Each request gets its own
+matcher: before a step samples it, the scheduler fills its row of the token bitmask
+(bit t of a row set: token t may come next) and the model runner masks the logits with
+it on the device; each token the request keeps advances its matcher.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from asyncllm.sampling_params import StructuredOutputsParams
+from asyncllm.structured.grammar import GrammarKey, _xgr, build_grammar, grammar_key
+
+
+class StructuredRequest:
+    """One request's constraint: its grammar (compiling, then compiled) and matcher."""
+
+    __slots__ = ("future", "matcher")
+
+    def __init__(self, future: Future[Any]) -> None:
+        self.future = future
+        self.matcher: Any = None
+
+    def ready(self) -> bool:
+        """Whether the grammar is compiled (its matcher made) or failed."""
+        if self.matcher is None and self.future.done() and self.future.exception() is None:
+            import xgrammar
+
+            self.matcher = xgrammar.GrammarMatcher(self.future.result())
+        return self.future.done()
+
+    def error(self) -> str | None:
+        e = self.future.exception() if self.future.done() else None
+        return None if e is None else f"{type(e).__name__}: {e}"
+
+    def accept(self, token: int) -> bool:
+        """Advances the matcher by a token the request keeps; False if the grammar does
+        not allow it (or has already ended)."""
+        return bool(self.matcher.accept_token(token))
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: str | None, vocab_size: int) -> None:
+        self.tokenizer_path = tokenizer
+        self.vocab_size = vocab_size
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="asyncllm-grammar")
+        self._lock = threading.Lock()
+        self._compiler: Any = None
+        self._cache: dict[GrammarKey, Future[Any]] = {}
+
+    def _get_compiler(self) -> Any:
+        with self._lock:  # (built once, by the first compilation)
+            if self._compiler is None:
+                if self.tokenizer_path is None:
+                    raise ValueError("structured outputs need the tokenizer (skip_tokenizer_init)")
+                from transformers import AutoTokenizer
+
+                xgr = _xgr()
+                tok = AutoTokenizer.from_pretrained(self.tokenizer_path)
+                info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+            return self._compiler
+
+    def _compile(self, key: GrammarKey) -> Any:
+        return self._get_compiler().compile_grammar(build_grammar(key))
+
+    def request(self, so: StructuredOutputsParams) -> StructuredRequest:
+        """A constraint for a new request; its grammar compiles in the background (once
+        per key: a failed one is tried again by the next request that asks)."""
+        key = grammar_key(so)
+        fut = self._cache.get(key)
+        if fut is None or (fut.done() and fut.exception() is not None):
+            fut = self._cache[key] = self._pool.submit(self._compile, key)
+        return StructuredRequest(fut)
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        bitmask: torch.Tensor = _xgr().allocate_token_bitmask(rows, self.vocab_size)
+        return bitmask
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

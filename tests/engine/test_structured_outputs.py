@@ -1,0 +1,230 @@
+"""Structured outputs on the embedded SmolLM2 (CPU): JSON schemas, regexes, choices and
+grammars hold for every output, greedy and seeded, with async scheduling on and off,
+under preemption, with n = 3, and through AsyncLLM with cancellations; bad constraints
+are refused for their request only."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+
+from asyncllm import LLM, AsyncLLM, RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+pytest.importorskip("xgrammar")
+
+S = StructuredOutputsParams
+NAME = {"type": "string", "maxLength": 12}
+SCHEMAS = [
+    {"type": "object", "properties": {"name": NAME}, "required": ["name"], "additionalProperties": False},
+    {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["age"], "additionalProperties": False},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"], "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": NAME, "maxItems": 3}}, "required": ["tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"x": {"type": "number", "minimum": -10, "maximum": 10}}, "required": ["x"], "additionalProperties": False},
+    {"type": "object", "properties": {"p": {"type": "object", "properties": {"first": NAME, "last": NAME}, "required": ["first", "last"], "additionalProperties": False}}, "required": ["p"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 4},
+    {"type": "object", "properties": {"city": NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["city", "zip"], "additionalProperties": False},
+    {"type": "object", "properties": {"level": {"type": "integer", "enum": [1, 2, 3]}}, "required": ["level"], "additionalProperties": False},
+    {"type": "object", "properties": {"title": NAME, "year": {"type": "integer", "minimum": 1900, "maximum": 2100}}, "required": ["title", "year"], "additionalProperties": False},
+    {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["id"], "additionalProperties": False}, "maxItems": 2}}, "required": ["items"], "additionalProperties": False},
+    {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}, "why": NAME}, "required": ["answer", "why"], "additionalProperties": False},
+    {"type": "object", "properties": {"score": {"type": "number", "minimum": 0, "maximum": 1}}, "required": ["score"], "additionalProperties": False},
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 5}, "b": {"type": "integer", "minimum": 0, "maximum": 5}}, "required": ["a", "b"], "additionalProperties": False},
+    {"type": "string", "maxLength": 16},
+    {"type": "integer", "minimum": 10, "maximum": 20},
+    {"type": "object", "properties": {"flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}, "name": NAME}, "required": ["flags", "name"], "additionalProperties": False},
+    {"type": "object", "properties": {"m": {"type": "object", "properties": {"n": {"type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 3}}, "required": ["v"], "additionalProperties": False}}, "required": ["n"], "additionalProperties": False}}, "required": ["m"], "additionalProperties": False},
+    {"type": "object", "properties": {"unit": {"enum": ["kg", "g"]}, "value": {"type": "integer", "minimum": 0, "maximum": 1000}}, "required": ["unit", "value"], "additionalProperties": False},
+]  # fmt: skip
+REGEXES = [
+    r"\d{3}-\d{4}",
+    r"[a-z]{3,8}",
+    r"(yes|no|maybe)",
+    r"[A-Z][a-z]{2,6} [A-Z][a-z]{2,6}",
+    r"0x[0-9a-f]{4}",
+    r"\d{4}-\d{2}-\d{2}",
+    r"(red|green|blue)-\d",
+    r"[a-z]{2,8}@[a-z]{2,8}\.com",
+    r"\(\d{2}\)",
+    r"v\d\.\d\.\d",
+]
+CHOICES = ["sunny", "rainy", "cloudy"]
+GRAMMAR = 'root ::= "The answer is " digit "."\ndigit ::= [0-9]'
+PROMPT = "Answer in the requested format. Tell me about a person, a city or a number."
+
+
+def _json_params(schema, **kw):
+    return SamplingParams(**{"max_tokens": 64, **kw}, structured_outputs=S(json=schema))
+
+
+def _check_json(text: str, schema) -> None:
+    jsonschema.validate(json.loads(text), schema)
+
+
+GREEDY: dict[bool, list[list[int]]] = {}  # async_scheduling -> the first test's token ids
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["async", "sync"])
+def engine(request):
+    llm = LLM(device="cpu", max_model_len=512, async_scheduling=request.param)
+    llm.async_scheduling = request.param  # (for the tests' bookkeeping)
+    yield llm
+    llm.shutdown()
+
+
+def _all_kinds() -> list[SamplingParams]:
+    params = [_json_params(s, temperature=0.0) for s in SCHEMAS]
+    params += [
+        SamplingParams(max_tokens=32, temperature=0.0, structured_outputs=S(regex=r))
+        for r in REGEXES
+    ]
+    params.append(
+        SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=S(choice=CHOICES))
+    )
+    params.append(
+        SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=S(grammar=GRAMMAR))
+    )
+    params.append(SamplingParams(max_tokens=24, temperature=0.0))  # unconstrained beside them
+    return params
+
+
+def _idle(llm: LLM) -> None:
+    stats = llm.engine.get_stats()
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_twenty_schemas_ten_regexes_a_choice_and_a_grammar(engine):
+    params = _all_kinds()
+    outs = engine.generate([PROMPT] * len(params), params, use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs]
+    for text, schema in zip(texts, SCHEMAS):
+        _check_json(text, schema)
+    for text, regex in zip(texts[len(SCHEMAS) :], REGEXES):
+        assert re.fullmatch(regex, text), (regex, text)
+    assert texts[-3] in CHOICES
+    assert re.fullmatch(r"The answer is [0-9]\.", texts[-2])
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs[:-1])
+    GREEDY[engine.async_scheduling] = [o.outputs[0].token_ids for o in outs]
+    _idle(engine)
+
+
+def test_seeded_sampling_n3_and_logprobs_stay_valid(engine):
+    schema = SCHEMAS[10]
+    params = _json_params(schema, temperature=1.0, seed=7, n=3, logprobs=2)
+    outs = engine.generate([PROMPT], params, use_tqdm=False)[0].outputs
+    assert len(outs) == 3
+    for c in outs:
+        _check_json(c.text, schema)
+        assert len(c.logprobs) == len(c.token_ids)
+    again = engine.generate([PROMPT], params, use_tqdm=False)[0].outputs
+    assert [c.token_ids for c in again] == [c.token_ids for c in outs]  # seeded
+
+
+def test_max_tokens_still_ends_early(engine):
+    out = engine.generate(
+        [PROMPT], _json_params(SCHEMAS[6], temperature=0.0, max_tokens=3), use_tqdm=False
+    )
+    c = out[0].outputs[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 3
+
+
+def test_bad_constraints_fail_alone_and_the_engine_serves_on(engine):
+    for so, field in [
+        (S(regex="(unclosed"), "regex"),
+        (S(json={"type": "no-such-type"}), "json"),
+        (S(json="{not json"), "json"),
+        (S(grammar="root ::= missing_rule"), "grammar"),
+    ]:
+        with pytest.raises(ValueError, match=f"structured_outputs.{field}"):
+            engine.generate([PROMPT], SamplingParams(structured_outputs=so), use_tqdm=False)
+    with pytest.raises(ValueError, match="exactly one"):
+        S(regex="a", choice=["a"]).verify()
+    with pytest.raises(ValueError, match="exactly one"):
+        SamplingParams(structured_outputs=S())
+    plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    out = engine.generate([PROMPT], plain, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    _idle(engine)
+
+
+def test_greedy_equal_with_async_scheduling_on_and_off():
+    """The first test's greedy outputs under both modes (run here if it did not run)."""
+    for mode in (True, False):
+        if mode not in GREEDY:
+            llm = LLM(device="cpu", max_model_len=512, async_scheduling=mode)
+            try:
+                outs = llm.generate([PROMPT] * len(_all_kinds()), _all_kinds(), use_tqdm=False)
+                GREEDY[mode] = [o.outputs[0].token_ids for o in outs]
+            finally:
+                llm.shutdown()
+    assert GREEDY[True] == GREEDY[False]
+
+
+def test_preemption_with_a_tiny_kv_cache():
+    llm = LLM(
+        device="cpu",
+        max_model_len=96,
+        num_gpu_blocks_override=6,
+        block_size=16,
+        enable_prefix_caching=False,
+    )
+    three = {
+        "type": "object",
+        "properties": {"a": NAME, "b": NAME, "c": NAME},
+        "required": ["a", "b", "c"],
+        "additionalProperties": False,
+    }
+    try:
+        prompts = [f"{PROMPT} Request number {i} of five, give three words." for i in range(5)]
+        params = [_json_params(three, temperature=0.0, max_tokens=64)] * 5
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for o in outs:
+            _check_json(o.outputs[0].text, three)
+        assert llm.engine.get_stats()["num_preemptions"] > 0
+        _idle(llm)
+    finally:
+        llm.shutdown()
+
+
+async def test_64_concurrent_streams_with_cancellations():
+    rng = random.Random(0)
+    async with AsyncLLM(device="cpu", max_model_len=512) as llm:
+
+        async def one(i: int):
+            constrained = i % 2 == 0
+            schema = SCHEMAS[i % len(SCHEMAS)]
+            params = SamplingParams(
+                max_tokens=48,
+                temperature=0.8,
+                seed=i,
+                output_kind=RequestOutputKind.DELTA,
+                structured_outputs=S(json=schema) if constrained else None,
+            )
+            text, finish = "", None
+            cancel_after = rng.randint(1, 4) if rng.random() < 0.3 else None
+            seen = 0
+            async for out in llm.generate(PROMPT, params):
+                text += out.outputs[0].text
+                finish = out.outputs[0].finish_reason
+                seen += 1
+                if cancel_after is not None and seen >= cancel_after:
+                    return None  # leaves the stream: aborted in the engine
+            if constrained and finish == "stop":
+                _check_json(text, schema)
+            return finish
+
+        results = await asyncio.gather(*[one(i) for i in range(64)])
+        assert any(r is None for r in results) and any(r == "stop" for r in results)
+        for _ in range(600):  # (waits for a condition: the aborts reach the core)
+            stats = await llm.get_stats()
+            if stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]:
+                break
+            await asyncio.sleep(0.05)
+        assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+        assert stats["num_free_blocks"] == stats["num_blocks"]
