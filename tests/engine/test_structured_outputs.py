@@ -10,12 +10,12 @@ import json
 import random
 import re
 
-import jsonschema
 import pytest
 
 from asyncllm import LLM, AsyncLLM, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
 
 S = StructuredOutputsParams
 NAME = {"type": "string", "maxLength": 12}
@@ -181,8 +181,8 @@ def test_preemption_with_a_tiny_kv_cache():
         "additionalProperties": False,
     }
     try:
-        prompts = [f"{PROMPT} Request number {i} of five, give three words." for i in range(5)]
-        params = [_json_params(three, temperature=0.0, max_tokens=64)] * 5
+        prompts = [f"{PROMPT} Request number {i} of three, give three words." for i in range(3)]
+        params = [_json_params(three, temperature=0.0, max_tokens=64)] * 3
         outs = llm.generate(prompts, params, use_tqdm=False)
         for o in outs:
             _check_json(o.outputs[0].text, three)
@@ -200,7 +200,7 @@ async def test_64_concurrent_streams_with_cancellations():
             constrained = i % 2 == 0
             schema = SCHEMAS[i % len(SCHEMAS)]
             params = SamplingParams(
-                max_tokens=48,
+                max_tokens=24,
                 temperature=0.8,
                 seed=i,
                 output_kind=RequestOutputKind.DELTA,
@@ -228,3 +228,54 @@ async def test_64_concurrent_streams_with_cancellations():
             await asyncio.sleep(0.05)
         assert stats["num_running"] == 0 and stats["num_waiting"] == 0
         assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_a_grammar_that_fails_in_the_core_ends_only_its_request():
+    """A request straight to the core (past the frontend's check) whose regex cannot
+    compile gets an error output; the request beside it finishes."""
+    import time
+
+    from asyncllm.messages import EngineCoreRequest
+
+    llm = LLM(device="cpu", max_model_len=256, multiprocess=False)
+    core = llm.engine.client.core
+    try:
+
+        def request(rid, so):
+            params = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=so)
+            return EngineCoreRequest(rid, [1, 2, 3, 4], params, 2, 8, time.monotonic())
+
+        core.add_request(request("bad", S(regex="(unclosed")))
+        core.add_request(request("good", S(choice=CHOICES)))
+        outs: dict[str, list] = {"bad": [], "good": []}
+        for _ in range(200):
+            if not core.has_unfinished_requests():
+                break
+            for o in core.step().outputs:
+                outs[o.request_id].append(o)
+        assert outs["bad"][-1].error is not None and "compiled" in outs["bad"][-1].error.message
+        assert outs["good"][-1].finish_reason == "stop" and outs["good"][-1].error is None
+        assert core.kv_cache_manager.num_free_blocks == core.num_blocks
+    finally:
+        llm.shutdown()
+
+
+def test_the_bitmask_masks_what_a_plain_loop_says():
+    import torch
+
+    from asyncllm.sample.ops import apply_token_bitmask
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = 70, 3  # (70 tokens: three words, the last one partly used)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, 3), generator=gen, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    logits = torch.randn(5, vocab, generator=gen)
+    expected = logits.clone()
+    target = [4, 0, 2]
+    for i, row in enumerate(target):
+        for t in range(vocab):
+            word = int(bitmask[i, t // 32]) & 0xFFFFFFFF
+            if not (word >> (t % 32)) & 1:
+                expected[row, t] = float("-inf")
+    apply_token_bitmask(logits, torch.tensor(target), bitmask)
+    assert torch.equal(logits, expected)
