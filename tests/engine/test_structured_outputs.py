@@ -71,8 +71,15 @@ GREEDY: dict[bool, list[list[int]]] = {}  # async_scheduling -> the first test's
 
 @pytest.fixture(scope="module", params=[True, False], ids=["async", "sync"])
 def engine(request):
-    llm = LLM(device="cpu", max_model_len=512, async_scheduling=request.param)
-    llm.async_scheduling = request.param  # (for the tests' bookkeeping)
+    """The suite's shared engine (async scheduling, its default), or one without."""
+    if request.param:
+        shared = request.getfixturevalue("llm")
+        assert shared.engine.config.scheduler.async_scheduling
+        shared.async_scheduling = True  # (for the tests' bookkeeping)
+        yield shared
+        return
+    llm = LLM(device="cpu", max_model_len=512, async_scheduling=False)
+    llm.async_scheduling = False
     yield llm
     llm.shutdown()
 

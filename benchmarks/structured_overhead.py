@@ -1,0 +1,93 @@
+"""What structured outputs cost a step on the CPU, in µs: filling the token bitmask
+(xgrammar matchers, one row per constrained request; in the engine core's scheduler)
+and applying it to the logits (asyncllm.sample.ops.apply_token_bitmask; in the model
+runner), at batch 1 and 32, the embedded SmolLM2's vocabulary, a JSON schema, matchers
+advanced along a valid output (the sample text where the grammar allows it) so the
+masks are those of real steps.
+
+    python benchmarks/structured_overhead.py [--batch 1 32] [--steps 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from asyncllm.config import EngineArgs
+from asyncllm.engine.arg_utils import create_engine_config
+from asyncllm.sample.ops import apply_token_bitmask
+from asyncllm.sampling_params import StructuredOutputsParams
+from asyncllm.structured.manager import StructuredOutputManager
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "tags", "age"],
+    "additionalProperties": False,
+}
+TEXT = '{"name": "Ada Lovelace", "tags": ["math", "poetry"], "age": 36}'
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--steps", type=int, default=64)
+    args = ap.parse_args()
+    config = create_engine_config(EngineArgs(device="cpu"))
+    vocab = int(config.model.hf_config.vocab_size)
+    manager = StructuredOutputManager(config.model.tokenizer, vocab)
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(config.model.tokenizer)(TEXT).input_ids
+    t0 = time.perf_counter()
+    first = manager.request(StructuredOutputsParams(json=SCHEMA))
+    first.future.result()
+    compile_s = time.perf_counter() - t0
+    print(f"vocabulary {vocab}; first compilation (tokenizer info included) {compile_s:.2f} s")
+    print(f"{'batch':>5} {'fill µs':>9} {'apply µs':>9} {'fill µs/row':>12}")
+    rows = []
+    for batch in args.batch:
+        reqs = [manager.request(StructuredOutputsParams(json=SCHEMA)) for _ in range(batch)]
+        for r in reqs:
+            r.future.result()
+            r.ready()
+        fills, applies = [], []
+        logits = torch.randn(batch, vocab)
+        idx = torch.arange(batch)
+        for step in range(args.steps):
+            if reqs[0].matcher.is_terminated():
+                break
+            bitmask = manager.allocate_bitmask(batch)
+            t0 = time.perf_counter()
+            for i, r in enumerate(reqs):
+                r.fill(bitmask, i)
+            fills.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            apply_token_bitmask(logits, idx, bitmask)
+            applies.append(time.perf_counter() - t0)
+            # The next token: the text's if the grammar allows it, else the first allowed.
+            word = bitmask[0].tolist()
+            allowed = [t for t in range(vocab) if (word[t // 32] >> (t % 32)) & 1]
+            if not allowed:
+                break
+            token = ids[step] if step < len(ids) and ids[step] in allowed else allowed[0]
+            for r in reqs:
+                assert r.accept(token)
+        print(f"  ({len(fills)} steps)")
+        fill, apply = statistics.median(fills) * 1e6, statistics.median(applies) * 1e6
+        rows.append({"batch": batch, "fill_us": fill, "apply_us": apply})
+        print(f"{batch:>5} {fill:>9.1f} {apply:>9.1f} {fill / batch:>12.1f}")
+    manager.shutdown()
+    print(json.dumps({"benchmark": "structured_overhead", "vocab": vocab, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
