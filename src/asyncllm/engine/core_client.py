@@ -386,11 +386,15 @@ class TrioMPClient(AsyncMPClient):
     wait and messages are taken while they say one is there (else a stream stalls with
     messages queued). The handler runs in the caller's nursery, in its own cancel scope."""
 
-    def _output_socket(self) -> Any:
+    def __init__(self, args: EngineArgs) -> None:
         import trio
 
         self._trio = trio
-        self._scope: Any = None
+        self._scope: Any = None  # the handler's cancel scope, and its end
+        self._ended: Any = None
+        super().__init__(args)
+
+    def _output_socket(self) -> Any:
         return self.zmq_ctx.socket(zmq.PULL)
 
     async def _recv_frames(self, timeout: float) -> list[Any] | None:

@@ -78,12 +78,11 @@ class AsyncLLM:
         the event loop. Any failure raises EngineStartupError (the cause chained) and
         leaves the instance as it was, so `start()` may be called again. Under trio,
         use `async with AsyncLLM(...)` instead (its nursery holds the output task)."""
-        return await self._start(nursery=None)
+        return await self._start(running_loop(), nursery=None)
 
-    async def _start(self, nursery: Any) -> AsyncLLM:
+    async def _start(self, aio: AsyncioLoop | TrioLoop, nursery: Any) -> AsyncLLM:
         if self._aio is not None:
             raise RuntimeError("this AsyncLLM was already started")
-        aio = running_loop()
         if isinstance(aio, TrioLoop) and nursery is None:
             raise RuntimeError(
                 "under trio, start AsyncLLM with `async with AsyncLLM(...) as llm:` (its "
@@ -116,14 +115,15 @@ class AsyncLLM:
         return self
 
     async def __aenter__(self) -> AsyncLLM:
-        if not isinstance(running_loop(), TrioLoop):
-            return await self.start()
+        aio = running_loop()
+        if not isinstance(aio, TrioLoop):
+            return await self._start(aio, nursery=None)
         import trio
 
         self._nursery_cm = trio.open_nursery()
         nursery = await self._nursery_cm.__aenter__()
         try:
-            return await self._start(nursery)
+            return await self._start(aio, nursery)
         except BaseException:
             await self._exit_nursery()
             raise

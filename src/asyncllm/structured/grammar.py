@@ -19,7 +19,7 @@ _LOG_PREFIX = re.compile(
 )  # xgrammar's "[time] file.cc:94: "  # (kind, its text, any whitespace)
 
 
-def _xgr() -> Any:
+def xgrammar_module() -> Any:
     try:
         import xgrammar
     except ImportError as e:
@@ -46,7 +46,7 @@ def grammar_key(so: StructuredOutputsParams) -> GrammarKey:
 
 def build_grammar(key: GrammarKey) -> Any:
     """The xgrammar Grammar for `key`; ValueError naming the field if it cannot be built."""
-    xgr = _xgr()
+    xgr = xgrammar_module()
     kind, text, ws = key
     field = {"json": "json", "regex": "regex", "grammar": "grammar", "json_object": "json"}[kind]
     try:

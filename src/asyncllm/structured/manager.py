@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from asyncllm.sampling_params import StructuredOutputsParams
-from asyncllm.structured.grammar import GrammarKey, _xgr, build_grammar, grammar_key
+from asyncllm.structured.grammar import GrammarKey, build_grammar, grammar_key, xgrammar_module
 
 
 class StructuredRequest:
@@ -66,7 +66,7 @@ class StructuredOutputManager:
                     raise ValueError("structured outputs need the tokenizer (skip_tokenizer_init)")
                 from transformers import AutoTokenizer
 
-                xgr = _xgr()
+                xgr = xgrammar_module()
                 tok = AutoTokenizer.from_pretrained(self.tokenizer_path)
                 info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2)
@@ -85,7 +85,7 @@ class StructuredOutputManager:
         return StructuredRequest(fut)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
-        bitmask: torch.Tensor = _xgr().allocate_token_bitmask(rows, self.vocab_size)
+        bitmask: torch.Tensor = xgrammar_module().allocate_token_bitmask(rows, self.vocab_size)
         return bitmask
 
     def shutdown(self) -> None:
