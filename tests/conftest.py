@@ -16,6 +16,7 @@ os.environ.setdefault("ASYNCLLM_CACHE", str(ROOT / ".cache" / "asyncllm-test"))
 os.environ.setdefault("ASYNCLLM_GC_FREEZE", "0")
 
 import pytest  # noqa: E402
+import pytest_asyncio  # noqa: E402
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():
@@ -175,3 +176,16 @@ def llm():
     engine = LLM(device="cpu")
     yield engine
     engine.shutdown()
+
+
+SERVING_ARGS = dict(device="cpu", max_model_len=1024, kv_cache_memory_bytes=512 << 20)
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def allm():
+    """One AsyncLLM (an engine-core process with SmolLM2) on the session's event loop,
+    shared by the tests marked `pytest.mark.asyncio(loop_scope="session")`."""
+    from asyncllm import AsyncLLM
+
+    async with AsyncLLM(**SERVING_ARGS) as engine:
+        yield engine

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from asyncllm import LLM, AsyncLLM, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from asyncllm import LLM, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
@@ -178,6 +178,7 @@ def test_greedy_equal_with_async_scheduling_on_and_off():
 def test_preemption_with_a_tiny_kv_cache():
     llm = LLM(
         device="cpu",
+        multiprocess=False,
         max_model_len=96,
         num_gpu_blocks_override=6,
         block_size=16,
@@ -201,42 +202,43 @@ def test_preemption_with_a_tiny_kv_cache():
         llm.shutdown()
 
 
-async def test_64_concurrent_streams_with_cancellations():
+@pytest.mark.asyncio(loop_scope="session")
+async def test_64_concurrent_streams_with_cancellations(allm):
     rng = random.Random(0)
-    async with AsyncLLM(device="cpu", max_model_len=512) as llm:
+    llm = allm
 
-        async def one(i: int):
-            constrained = i % 2 == 0
-            schema = SCHEMAS[i % len(SCHEMAS)]
-            params = SamplingParams(
-                max_tokens=24,
-                temperature=0.8,
-                seed=i,
-                output_kind=RequestOutputKind.DELTA,
-                structured_outputs=S(json=schema) if constrained else None,
-            )
-            text, finish = "", None
-            cancel_after = rng.randint(1, 4) if rng.random() < 0.3 else None
-            seen = 0
-            async for out in llm.generate(PROMPT, params):
-                text += out.outputs[0].text
-                finish = out.outputs[0].finish_reason
-                seen += 1
-                if cancel_after is not None and seen >= cancel_after:
-                    return None  # leaves the stream: aborted in the engine
-            if constrained and finish == "stop":
-                _check_json(text, schema)
-            return finish
+    async def one(i: int):
+        constrained = i % 2 == 0
+        schema = SCHEMAS[i % len(SCHEMAS)]
+        params = SamplingParams(
+            max_tokens=24,
+            temperature=0.8,
+            seed=i,
+            output_kind=RequestOutputKind.DELTA,
+            structured_outputs=S(json=schema) if constrained else None,
+        )
+        text, finish = "", None
+        cancel_after = rng.randint(1, 4) if rng.random() < 0.3 else None
+        seen = 0
+        async for out in llm.generate(PROMPT, params):
+            text += out.outputs[0].text
+            finish = out.outputs[0].finish_reason
+            seen += 1
+            if cancel_after is not None and seen >= cancel_after:
+                return None  # leaves the stream: aborted in the engine
+        if constrained and finish == "stop":
+            _check_json(text, schema)
+        return finish
 
-        results = await asyncio.gather(*[one(i) for i in range(64)])
-        assert any(r is None for r in results) and any(r == "stop" for r in results)
-        for _ in range(600):  # (waits for a condition: the aborts reach the core)
-            stats = await llm.get_stats()
-            if stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]:
-                break
-            await asyncio.sleep(0.05)
-        assert stats["num_running"] == 0 and stats["num_waiting"] == 0
-        assert stats["num_free_blocks"] == stats["num_blocks"]
+    results = await asyncio.gather(*[one(i) for i in range(64)])
+    assert any(r is None for r in results) and any(r == "stop" for r in results)
+    for _ in range(600):  # (waits for a condition: the aborts reach the core)
+        stats = await llm.get_stats()
+        if stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]:
+            break
+        await asyncio.sleep(0.05)
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
 def test_a_grammar_that_fails_in_the_core_ends_only_its_request():

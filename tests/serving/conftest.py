@@ -1,21 +1,12 @@
-"""One AsyncLLM (an engine-core process with SmolLM2) shared by the serving tests,
-on one session-wide event loop."""
+"""The serving tests' loop ticker (their shared AsyncLLM, `allm`, is in tests/conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
 
-import pytest_asyncio
+from tests.conftest import SERVING_ARGS
 
-from asyncllm import AsyncLLM
-
-SERVING_ARGS = dict(device="cpu", max_model_len=1024, kv_cache_memory_bytes=512 << 20)
-
-
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def allm():
-    async with AsyncLLM(**SERVING_ARGS) as engine:
-        yield engine
+__all__ = ["SERVING_ARGS", "LoopTicker"]
 
 
 class LoopTicker:
