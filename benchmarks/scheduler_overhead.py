@@ -25,7 +25,7 @@ import time
 
 from asyncllm.config import SchedulerConfig
 from asyncllm.core.kv_cache_manager import KVCacheManager
-from asyncllm.core.kv_cache_utils import make_block_hasher
+from asyncllm.core.kv_cache_utils import BlockHasher
 from asyncllm.core.request import Request
 from asyncllm.core.scheduler import Scheduler
 from asyncllm.sampling_params import SamplingParams
@@ -65,7 +65,7 @@ def build(args: argparse.Namespace) -> Scheduler:
         kv,
     )
     rng = random.Random(0)
-    hasher = make_block_hasher(args.block_size)
+    hasher = BlockHasher(args.block_size)
     for i in range(args.requests):
         prompt = [rng.randrange(1, 32000) for _ in range(args.prompt_len)]
         scheduler.add_request(

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from asyncllm.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from asyncllm.core.kv_cache_manager import KVCacheManager
-from asyncllm.core.kv_cache_utils import BlockHash, hash_block_tokens, make_block_hasher
+from asyncllm.core.kv_cache_utils import BlockHash, BlockHasher, hash_block_tokens
 from asyncllm.core.request import Request
 from asyncllm.sampling_params import SamplingParams
 
@@ -244,7 +244,7 @@ def make_request(rid: str, tokens: list[int], block_size: int, **params: object)
         SamplingParams(**params),  # type: ignore[arg-type]
         eos_token_id=None,
         max_tokens=1000,
-        block_hasher=make_block_hasher(block_size),
+        block_hasher=BlockHasher(block_size),
     )
 
 

@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 from asyncllm.config import SchedulerConfig, SchedulingPolicy
 from asyncllm.core.kv_cache_manager import KVCacheManager
-from asyncllm.core.kv_cache_utils import make_block_hasher
+from asyncllm.core.kv_cache_utils import BlockHasher
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import Scheduler
 from asyncllm.messages import EngineCoreOutput
@@ -108,7 +108,7 @@ def add(
         max_tokens,
         arrival_time=float(next(_clock)) if arrival is None else arrival,
         priority=priority,
-        block_hasher=make_block_hasher(scheduler.kv.block_size),
+        block_hasher=BlockHasher(scheduler.kv.block_size),
     )
     scheduler.add_request(req)
     return req
@@ -752,7 +752,7 @@ def test_random_workloads_respect_the_limits_finish_and_free_every_block(
                 s.max_tokens,
                 arrival_time=step_no + len(added) / 100,
                 priority=s.priority,
-                block_hasher=make_block_hasher(w.block_size),
+                block_hasher=BlockHasher(w.block_size),
             )
             sched.add_request(added[s.rid])
         if not pending and not sched.has_unfinished_requests() and not in_flight:

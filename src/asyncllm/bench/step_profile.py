@@ -11,8 +11,15 @@ stages are wall times of the engine's own functions (wrapped, not changed):
 - wait: waiting for a step's tokens and applying them to the persistent batch
   (`StepResult.apply`); with async scheduling the step waited for is the previous one
 - update: the scheduler taking the step's tokens (`update_from_output`)
-- frontend: turning core outputs into `RequestOutput`s (`Frontend.process_outputs`)
-- other: the rest of `LLMEngine.step` (the core's bookkeeping, output objects)
+- encode: serializing the step's outputs for the wire (`Encoder.encode`), as the
+  engine-core process does before sending them to the frontend's process
+- other: the rest of `EngineCore.step` (the core's bookkeeping, output objects)
+
+By default the timed steps are the core's own (`EngineCore.step`, then the encoding),
+as the engine-core process runs them: the frontend (detokenizing, `RequestOutput`s) runs
+in the host's process, never on the core's thread. `--inline-frontend` times
+`LLMEngine.step` instead, with the frontend on the core's thread (stage "frontend",
+`Frontend.process_outputs`), as `LLM(multiprocess=False)` runs.
 
 The stages are timed without a profiler; a second run of as many steps under
 `torch.profiler` gives the device side (CUDA only, read from its Chrome trace): `gpu`,
@@ -42,7 +49,7 @@ from typing import Any
 from asyncllm.bench.common import add_engine_args, engine_kwargs
 
 STEP_MARK = "asyncllm.step"
-STAGES = ("schedule", "prepare", "forward", "sample", "wait", "update", "frontend")
+STAGES = ("schedule", "prepare", "forward", "sample", "wait", "update", "encode", "frontend")
 
 
 def _wrap(obj: Any, name: str, stage: str, times: dict[str, float]) -> Callable[[], None]:
@@ -145,10 +152,12 @@ def profile_batch(
     seed: int,
     cprofile: Any = None,
     trace_dir: str | None = None,
+    inline_frontend: bool = False,
 ) -> dict[str, Any]:
     import torch
 
     from asyncllm import SamplingParams
+    from asyncllm.engine.serial import Encoder
     from asyncllm.worker.model_runner import StepResult
 
     engine = llm.engine
@@ -157,7 +166,7 @@ def profile_batch(
     rng = random.Random(seed)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + 16)
     for _ in range(batch):
-        prompt = [rng.randint(0, 10000) for _ in range(input_len)]
+        prompt = [rng.randint(0, 4000) for _ in range(input_len)]
         engine.add_request(engine.next_request_id(), {"prompt_token_ids": prompt}, params)
     while len(core.scheduler.waiting) or any(
         r.num_computed_tokens < len(r.prompt_token_ids) for r in core.scheduler.running
@@ -174,13 +183,22 @@ def profile_batch(
     _wrap(runner, "_sample", "sample", times)
     unwrap_apply = _wrap(StepResult, "apply", "wait", times)  # (a class: undone below)
     _wrap(engine.frontend, "process_outputs", "frontend", times)
+    encoder = Encoder()
+    _wrap(encoder, "encode", "encode", times)
+
+    def one_step() -> None:
+        if inline_frontend:
+            engine.step()
+        else:
+            encoder.encode(core.step())
+
     cuda = runner.device.type == "cuda"
     # Pass 1: wall times of the stages, no profiler (it slows every launch down).
     if cprofile is not None:
         cprofile.enable()
     t0 = time.perf_counter()
     for _ in range(steps):
-        engine.step()
+        one_step()
     wall = time.perf_counter() - t0
     if cprofile is not None:
         cprofile.disable()
@@ -196,7 +214,7 @@ def profile_batch(
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 with record_function(STEP_MARK):
-                    engine.step()
+                    one_step()
             torch.cuda.synchronize()
         # The kernels' times come from the exported trace, per step kept in it: it may
         # keep only the last steps (on the H200, 12 of 50).
@@ -220,9 +238,9 @@ def profile_batch(
         row["device"] = device_gaps(events)
         row["replay"] = _time_replay(runner, batch)
     unwrap_apply()
-    engine.abort_request([*core.scheduler.requests])
-    while engine.has_unfinished_requests():
-        engine.step()
+    engine.abort_request([*engine.frontend.output_processor.states])  # the frontend forgets
+    while core.has_unfinished_requests():
+        core.step()
     row["batch"] = batch
     row["graphs"] = runner.graphs is not None
     return row
@@ -237,6 +255,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cprofile", help="write cProfile stats of the timed steps here")
     parser.add_argument("--trace-dir", help="write each batch's torch.profiler trace here")
+    parser.add_argument(
+        "--inline-frontend",
+        action="store_true",
+        help="time LLMEngine.step (the frontend on the core's thread) instead of the core's",
+    )
     args = parser.parse_args(argv)
     from asyncllm import LLM
 
@@ -251,7 +274,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     prof = cProfile.Profile() if args.cprofile else None
     try:
         rows = [
-            profile_batch(llm, b, args.input_len, args.steps, args.seed, prof, args.trace_dir)
+            profile_batch(
+                llm,
+                b,
+                args.input_len,
+                args.steps,
+                args.seed,
+                prof,
+                args.trace_dir,
+                args.inline_frontend,
+            )
             for b in args.batch
         ]
     finally:

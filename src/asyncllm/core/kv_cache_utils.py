@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -26,20 +26,24 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> Blo
     return h.digest()
 
 
-def make_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:
-    """A hasher for `Request`: it returns the hashes of the request's full blocks that
-    `request.block_hashes` does not cover yet (usually none), for the request to append."""
+class BlockHasher:
+    """A hasher for `Request`: called, it returns the hashes of the request's full blocks
+    that `request.block_hashes` does not cover yet (usually none), for the request to
+    append. A request calls it only once its tokens reach the next block's end
+    (`block_size` tells it where that is)."""
 
-    def hasher(request: Request) -> list[BlockHash]:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def __call__(self, request: Request) -> list[BlockHash]:
+        bs = self.block_size
         start = len(request.block_hashes)
-        if len(request.all_token_ids) < (start + 1) * block_size:
-            return []  # no new full block (most steps)
+        tokens = request.all_token_ids
+        if len(tokens) < (start + 1) * bs:
+            return []  # no new full block
         parent = request.block_hashes[-1] if start else None
         new = []
-        tokens = request.all_token_ids
-        for i in range(start, len(tokens) // block_size):
-            parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size])
+        for i in range(start, len(tokens) // bs):
+            parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs])
             new.append(parent)
         return new
-
-    return hasher

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncllm.core.kv_cache_utils import BlockHasher
 
 
 class RequestStatus(enum.IntEnum):
@@ -64,7 +66,7 @@ class Request:
         max_tokens: int,
         arrival_time: float | None = None,
         priority: int = 0,
-        block_hasher: Callable[[Request], list[bytes]] | None = None,
+        block_hasher: BlockHasher | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -88,8 +90,14 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.structured: Any = None  # StructuredRequest: its grammar and matcher, if any
         self._block_hasher = block_hasher
+        self._hash_at = 1 << 62  # token count that completes the next block to hash
         if block_hasher is not None:
-            self.block_hashes.extend(block_hasher(self))
+            self._hash_blocks()
+
+    def _hash_blocks(self) -> None:
+        assert self._block_hasher is not None
+        self.block_hashes.extend(self._block_hasher(self))
+        self._hash_at = (len(self.block_hashes) + 1) * self._block_hasher.block_size
 
     @property
     def num_output_tokens(self) -> int:
@@ -105,12 +113,21 @@ class Request:
         """Appends sampled tokens and hashes any block they complete, so the block is
         ready for the prefix cache when the scheduler registers it."""
         if isinstance(token_ids, int):
-            token_ids = [token_ids]
+            self.append_token(token_ids)
+            return
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
         self.num_tokens = len(self.all_token_ids)
-        if self._block_hasher is not None:
-            self.block_hashes.extend(self._block_hasher(self))
+        if self.num_tokens >= self._hash_at:
+            self._hash_blocks()
+
+    def append_token(self, token: int) -> None:
+        """`append_output_token_ids` of one token (the hot path: one per request a step)."""
+        self.output_token_ids.append(token)
+        self.all_token_ids.append(token)
+        self.num_tokens += 1
+        if self.num_tokens >= self._hash_at:
+            self._hash_blocks()
 
     def __repr__(self) -> str:
         return (

@@ -58,50 +58,50 @@ from asyncllm.step_io import (
 
 
 class _StepPlan:
-    """What one `schedule()` call has handed out so far."""
+    """What one `schedule()` call has handed out so far: parallel lists, in batch order."""
 
     __slots__ = (
         "budget",
+        "reqs",
         "num_tokens",
         "computed_before",
         "new_block_ids",
-        "new_reqs",
         "preempted",
     )
 
     def __init__(self, budget: int) -> None:
         self.budget = budget  # tokens left this step
-        self.num_tokens: dict[str, int] = {}  # request id -> tokens this step, batch order
-        self.computed_before: dict[str, int] = {}  # request id -> tokens computed before
-        self.new_block_ids: dict[str, list[int]] = {}  # running requests' blocks new this step
-        self.new_reqs: list[Request] = []  # admitted from the waiting queue this step
+        self.reqs: list[Request] = []
+        self.num_tokens: list[int] = []  # tokens each computes this step
+        self.computed_before: list[int] = []  # tokens each had computed before
+        # A running request's blocks new this step; None for one admitted from the
+        # waiting queue this step (the runner gets all of its data).
+        self.new_block_ids: list[list[int] | None] = []
         self.preempted = False
 
-    def add(self, req: Request, n: int, num_computed: int) -> None:
+    def add(self, req: Request, n: int, num_computed: int, new_block_ids: list[int] | None) -> None:
         """`req` computes `n` tokens this step, after `num_computed`."""
-        self.num_tokens[req.request_id] = n
-        self.computed_before[req.request_id] = num_computed
+        self.reqs.append(req)
+        self.num_tokens.append(n)
+        self.computed_before.append(num_computed)
+        self.new_block_ids.append(new_block_ids)
         self.budget -= n
 
     def take_back(self, req: Request) -> None:
         """Undoes `add` for a request preempted later in the same step."""
-        rid = req.request_id
-        if rid in self.num_tokens:
-            self.budget += self.num_tokens.pop(rid)
-            del self.computed_before[rid]
-            self.new_block_ids.pop(rid, None)
+        for i, r in enumerate(self.reqs):
+            if r is req:
+                self.budget += self.num_tokens[i]
+                for column in (self.reqs, self.num_tokens, self.computed_before):
+                    del column[i]
+                del self.new_block_ids[i]
+                return
 
 
-class _Scheduled:
-    """One request of a scheduled step, as it was when scheduled."""
-
-    __slots__ = ("req", "computed_before", "samples", "preemptions")
-
-    def __init__(self, req: Request, computed_before: int, samples: bool) -> None:
-        self.req = req
-        self.computed_before = computed_before
-        self.samples = samples  # the step reaches the end of its tokens: it samples one
-        self.preemptions = req.num_preemptions
+# One request of a scheduled step, as it was when scheduled: the request, its computed
+# tokens before the step, whether the step samples a token for it (it reaches the end
+# of its tokens), and its preemption count (a later preemption voids the step's result).
+_Scheduled = tuple[Request, int, bool, int]
 
 
 class Scheduler:
@@ -126,6 +126,9 @@ class Scheduler:
         self._error_outputs: list[EngineCoreOutput] = []  # requests ended by `schedule()`
         # Steps scheduled and not yet applied: id(SchedulerOutput) -> (it, its requests).
         self._in_flight: dict[int, tuple[SchedulerOutput, list[_Scheduled]]] = {}
+        # Steps whose grammar bitmask is still to fill (see `masks_due`): their
+        # constrained requests, by bitmask row.
+        self._masks_due: dict[int, list[Request]] = {}
 
     # -- requests in and out -------------------------------------------------------
 
@@ -285,28 +288,32 @@ class Scheduler:
         than the whole pool while it runs alone) is ended with an error instead."""
         i = 0
         max_len = self.config.max_model_len
-        while i < len(self.running) and step.budget > 0:
+        while i < len(self.running) and step.budget > 0:  # (ending a request replaces the list)
             req = self.running[i]
             pending = req.num_output_placeholders
             if pending and (
-                req.structured is not None
-                or req.num_output_tokens + pending >= req.max_tokens
+                len(req.output_token_ids) + pending >= req.max_tokens
                 or req.num_tokens + pending >= max_len
             ):
-                # Its last token is on its way: nothing more to compute. Or its grammar
-                # must see the token in flight before it can mask the next one.
-                i += 1
+                i += 1  # its last token is on its way: nothing more to compute
                 continue
-            n = self._num_new_tokens(req, req.num_computed_tokens, step.budget)
+            computed = req.num_computed_tokens
+            if req.num_tokens + pending - computed == 1 and computed < max_len:
+                n = 1  # a decode (what `_num_new_tokens` gives it, with budget left)
+            else:
+                n = self._num_new_tokens(req, computed, step.budget)
             if n <= 0:  # with budget left: it never will get a token
                 self._error_outputs.append(self._unschedulable(req, req.num_computed_tokens))
                 continue  # it left self.running: i is already the next one
             blocks = self.kv.allocate_slots(req, n)
             if blocks is None and len(self.running) == 1:
-                if pending:  # its step in flight ends first: its token is still due
+                if pending or self._in_flight:
+                    # Its token in flight is still due, or blocks are held for a step in
+                    # flight (of a request that ended meanwhile): try again after it.
                     i += 1
                     continue
-                # Alone, every other block is free: it needs more than the whole pool.
+                # Alone, nothing in flight, every other block is free: it needs more
+                # than the whole pool.
                 self._error_outputs.append(self._too_big_for_the_pool(req))
                 continue
             if blocks is None:
@@ -314,8 +321,9 @@ class Scheduler:
                 if blocks is None:
                     return
                 i = self.running.index(req)  # victims ahead of it moved it forward
-            step.add(req, n, req.num_computed_tokens)
-            step.new_block_ids[req.request_id] = [b.block_id for b in blocks]
+            step.add(
+                req, n, req.num_computed_tokens, [b.block_id for b in blocks] if blocks else []
+            )
             i += 1
 
     def _preempt_until_allocated(
@@ -386,7 +394,7 @@ class Scheduler:
                     continue
                 break  # the whole prompt must fit in one step
             if self.kv.allocate_slots(req, n, num_hit, hit_blocks) is None:
-                if not self.running:  # every block is free, and still it does not fit
+                if not self.running and not self._in_flight:  # all blocks free: it never fits
                     self._error_outputs.append(self._too_big_for_the_pool(req))
                     continue
                 break
@@ -397,8 +405,7 @@ class Scheduler:
                 req.num_cached_tokens = num_hit
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            step.new_reqs.append(req)
-            step.add(req, n, num_hit)
+            step.add(req, n, num_hit, None)
 
     def _too_big_for_the_pool(self, req: Request) -> EngineCoreOutput:
         bs = self.kv.block_size
@@ -424,64 +431,97 @@ class Scheduler:
         requests, only what changed for the others. Advances each scheduled request's
         `num_computed_tokens`, output placeholders and the step statistics, records the
         step for `update_from_output`, and hands over the ids the runner must forget."""
-        computed_before = step.computed_before
-        new_data = [
-            NewRequestData(
-                req_id=r.request_id,
-                prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=list(r.output_token_ids),
-                sampling_params=r.sampling_params,
-                block_ids=self.kv.get_block_ids(r.request_id),
-                num_computed_tokens=computed_before[r.request_id],
-                eos_token_id=r.eos_token_id,
-            )
-            for r in step.new_reqs
-        ]
+        new_data = []
         cached = CachedRequestData()
-        new_block_ids = step.new_block_ids
+        cached_ids, cached_blocks, cached_computed = (
+            cached.req_ids,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+        )
+        num_scheduled: dict[str, int] = {}
         prefill = decode = 0
         chunked = False
-        scheduled = []
-        for rid, n in step.num_tokens.items():
-            req = self.requests[rid]
-            before = computed_before[rid]
-            if rid in new_block_ids:  # scheduled as a running request
-                cached.req_ids.append(rid)
-                cached.new_block_ids.append(new_block_ids[rid])
-                cached.num_computed_tokens.append(before)
+        scheduled: list[_Scheduled] = []
+        structured: list[Request] = []
+        lagging = False  # a structured row's matcher has yet to see a token in flight
+        for req, n, before, blocks in zip(
+            step.reqs, step.num_tokens, step.computed_before, step.new_block_ids
+        ):
+            rid = req.request_id
+            num_scheduled[rid] = n
+            if blocks is None:  # admitted this step
+                new_data.append(
+                    NewRequestData(
+                        req_id=rid,
+                        prompt_token_ids=req.prompt_token_ids,
+                        output_token_ids=list(req.output_token_ids),
+                        sampling_params=req.sampling_params,
+                        block_ids=self.kv.get_block_ids(rid),
+                        num_computed_tokens=before,
+                        eos_token_id=req.eos_token_id,
+                    )
+                )
+            else:
+                cached_ids.append(rid)
+                cached_blocks.append(blocks)
+                cached_computed.append(before)
             pending = req.num_output_placeholders
             known = req.num_tokens + pending
-            if n == 1 and req.num_output_tokens + pending > 0 and before == known - 1:
+            if n == 1 and before == known - 1 and (pending or req.output_token_ids):
                 decode += 1
             else:
                 prefill += n
                 chunked |= before + n < known
             samples = before + n >= known
-            scheduled.append(_Scheduled(req, before, samples))
+            scheduled.append((req, before, samples, req.num_preemptions))
             req.num_computed_tokens = before + n
             req.num_in_flight += 1
             req.num_output_placeholders = pending + samples
+            if samples and req.structured is not None:
+                structured.append(req)
+                lagging |= pending > 0
         self._record_step(prefill, decode, chunked)
         finished, self.finished_req_ids = self.finished_req_ids, set()
         out = SchedulerOutput(
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached,
-            num_scheduled_tokens=step.num_tokens,
-            total_num_scheduled_tokens=sum(step.num_tokens.values()),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(step.num_tokens),
             finished_req_ids=finished,
             num_prefill_tokens=prefill,
             num_decode_tokens=decode,
         )
-        structured = [e.req for e in scheduled if e.samples and e.req.structured is not None]
         if structured:
             assert self.structured is not None  # (it made their constraints)
             out.grammar_bitmask = self.structured.allocate_bitmask(len(structured))
-            for row, req in enumerate(structured):
-                req.structured.fill(out.grammar_bitmask, row)
             out.structured_req_ids = [r.request_id for r in structured]
+            if lagging:
+                self._masks_due[id(out)] = structured
+            else:
+                self._fill_masks(out, structured)
         if scheduled:
             self._in_flight[id(out)] = (out, scheduled)
         return out
+
+    def masks_due(self, sched: SchedulerOutput) -> bool:
+        """Whether `sched`'s grammar bitmask waits for `fill_grammar_bitmask`: one of its
+        constrained requests samples after a token still in flight, which its matcher
+        must accept first. The step's results (`update_from_output`) of every step in
+        flight must be applied before it is filled, and it before `sched` runs."""
+        return id(sched) in self._masks_due
+
+    def fill_grammar_bitmask(self, sched: SchedulerOutput) -> None:
+        """Fills the bitmask `masks_due(sched)` left empty, from each request's matcher
+        as it is now. A request that ended or was preempted since keeps an all-allowing
+        row: the token it samples is dropped anyway."""
+        structured = self._masks_due.pop(id(sched), None)
+        if structured is not None:
+            self._fill_masks(sched, structured)
+
+    def _fill_masks(self, sched: SchedulerOutput, structured: list[Request]) -> None:
+        for row, req in enumerate(structured):
+            if req.status == RequestStatus.RUNNING and not req.structured.matcher.is_terminated():
+                req.structured.fill(sched.grammar_bitmask, row)
 
     def _record_step(self, prefill: int, decode: int, chunked: bool) -> None:
         s = self.stats
@@ -508,16 +548,15 @@ class Scheduler:
             return []
         outputs = []
         running, failed = RequestStatus.RUNNING, runner.failed
-        for entry in record[1]:
-            req = entry.req
+        for req, computed_before, samples, preemptions in record[1]:
             req.num_in_flight -= 1
-            if req.status == running and req.num_preemptions == entry.preemptions:
-                req.num_output_placeholders -= entry.samples
+            if req.status == running and req.num_preemptions == preemptions:
+                req.num_output_placeholders -= samples
                 reason = failed.get(req.request_id) if failed else None
                 if reason is not None:
                     # Its step did not run: the blocks it was to fill hold nothing (and
                     # must not stay findable in the prefix cache).
-                    req.num_computed_tokens = entry.computed_before
+                    req.num_computed_tokens = computed_before
                     outputs.append(self._fail(req, ErrorKind.FAILED, reason))
                 else:
                     out = self._update_request(req, runner)
@@ -534,16 +573,17 @@ class Scheduler:
         rid = req.request_id
         new_tokens: list[int] = []
         finished = False
+        structured = req.structured
         for token in runner.sampled_token_ids.get(rid, ()):
-            if req.structured is not None and not req.structured.accept(token):
+            if structured is not None and not structured.accept(token):
                 # (the mask allows only tokens the grammar accepts: a bug if it did not)
                 return self._fail(req, ErrorKind.FAILED, f"token {token} breaks its grammar")
-            req.append_output_token_ids(token)
+            req.append_token(token)
             new_tokens.append(token)
-            if self._check_stop(req):
+            if self._check_stop(req, token):
                 finished = True
                 break
-            if req.structured is not None and req.structured.matcher.is_terminated():
+            if structured is not None and structured.matcher.is_terminated():
                 req.status = RequestStatus.FINISHED_STOPPED  # (its grammar is complete)
                 finished = True
                 break
@@ -551,30 +591,29 @@ class Scheduler:
         if not new_tokens and prompt_lp is None and not finished:
             return None  # mid-prefill: nothing to say yet
         out = EngineCoreOutput(
-            request_id=rid,
-            new_token_ids=new_tokens,
-            new_logprobs=runner.logprobs.get(rid) if runner.logprobs and new_tokens else None,
-            new_prompt_logprobs=prompt_lp,
-            finish_reason=RequestStatus.finish_reason(req.status) if finished else None,
-            stop_reason=req.stop_reason,
-            num_cached_tokens=req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+            rid,
+            new_tokens,
+            runner.logprobs.get(rid) if runner.logprobs and new_tokens else None,
+            prompt_lp,
+            RequestStatus.finish_reason(req.status) if finished else None,
+            req.stop_reason,
+            req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+            None,
             # with the first tokens only: the frontend measures queue time once
-            first_scheduled_time=(
-                req.first_scheduled_time if req.num_output_tokens == len(new_tokens) else 0.0
-            ),
+            req.first_scheduled_time if len(req.output_token_ids) == len(new_tokens) else 0.0,
         )
         if finished:
             self.running.remove(req)
             self._free(req)
         return out
 
-    def _check_stop(self, req: Request) -> bool:
-        """Whether the request's last token ends it; if so, sets its finished status
+    def _check_stop(self, req: Request, token: int) -> bool:
+        """Whether `token`, the request's last, ends it; if so, sets its finished status
         (and stop_reason for a stop token). eos and stop tokens count only once
         min_tokens are out; max_tokens and max_model_len always do."""
-        token = req.output_token_ids[-1]
         params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
+        num_output = len(req.output_token_ids)
+        if num_output >= params.min_tokens:
             if token == req.eos_token_id and not params.ignore_eos:
                 req.status = RequestStatus.FINISHED_STOPPED
                 return True
@@ -583,7 +622,7 @@ class Scheduler:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = token
                 return True
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if num_output >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False

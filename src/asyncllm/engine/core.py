@@ -15,7 +15,7 @@ from collections import deque
 
 from asyncllm.config import EngineConfig
 from asyncllm.core.kv_cache_manager import KVCacheManager
-from asyncllm.core.kv_cache_utils import make_block_hasher
+from asyncllm.core.kv_cache_utils import BlockHasher
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import Scheduler
 from asyncllm.engine.cpu_threads import set_cpu_threads
@@ -57,9 +57,7 @@ class EngineCore:
             self.vocab_size or 0,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.structured)
-        self._block_hasher = (
-            make_block_hasher(cache.block_size) if cache.enable_prefix_caching else None
-        )
+        self._block_hasher = BlockHasher(cache.block_size) if cache.enable_prefix_caching else None
         self._pending_outputs: list[EngineCoreOutput] = []
         self._depth = 2 if config.scheduler.async_scheduling else 1
         self._in_flight: deque[tuple[SchedulerOutput, StepFuture]] = deque()
@@ -166,9 +164,11 @@ class EngineCore:
         nothing while requests are unfinished: a core loop that steps while
         `has_unfinished_requests()` would spin, sending empty outputs."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        launched = False
+        launched = applied = False
         # Launch steps until `_depth` are in flight (or nothing more can be scheduled),
-        # then apply the oldest: each call ends with one step's results.
+        # then apply the oldest: each call ends with one step's results. A step whose
+        # grammar masks need the tokens in flight applies those steps first, then fills
+        # its masks, and is the last launched by this call.
         while self.scheduler.has_unfinished_requests() and len(self._in_flight) < self._depth:
             sched = self.scheduler.schedule()
             outputs.extend(self.scheduler.take_error_outputs())
@@ -176,16 +176,38 @@ class EngineCore:
                 if sched.finished_req_ids:  # only ids for the runner to forget
                     self.executor.execute_model(sched)
                 break
+            masks_due = self.scheduler.masks_due(sched)
+            if masks_due:
+                while self._in_flight:
+                    outputs.extend(self._apply_oldest())
+                    applied = True
+                self.scheduler.fill_grammar_bitmask(sched)
             self._in_flight.append((sched, self.executor.execute_model_async(sched)))
             launched = True
-        if self._in_flight:
-            sched, future = self._in_flight.popleft()
-            outputs.extend(self.scheduler.update_from_output(sched, future.result()))
-        elif not launched and not outputs and self.scheduler.has_unfinished_requests():
+            if masks_due:
+                break
+        if self._in_flight and not applied:
+            outputs.extend(self._apply_oldest())
+        elif (
+            not launched
+            and not applied
+            and not outputs
+            and self.scheduler.has_unfinished_requests()
+        ):
             # Nothing scheduled, ended or reported: the next step would be the same.
             logger.warning("the scheduler made no progress; ending the request at its head")
             outputs.extend(self.scheduler.fail_stalled())
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats())
+
+    def apply_steps_in_flight(self) -> None:
+        """Waits for every step in flight and applies it; their outputs wait for the next
+        `step()`."""
+        while self._in_flight:
+            self._pending_outputs.extend(self._apply_oldest())
+
+    def _apply_oldest(self) -> list[EngineCoreOutput]:
+        sched, future = self._in_flight.popleft()
+        return self.scheduler.update_from_output(sched, future.result())
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

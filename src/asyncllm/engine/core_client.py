@@ -51,6 +51,11 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def get_output(self) -> EngineCoreOutputs: ...
 
+    def settle(self) -> None:
+        """Called when the frontend has no request left: a core in this process applies
+        its steps still in flight (of requests that have ended), so their blocks come
+        back although nothing steps it. A core in its own process does so itself."""
+
     @abstractmethod
     def get_stats(self) -> SchedulerStats: ...
 
@@ -76,6 +81,9 @@ class InprocClient(EngineCoreClient):
 
     def get_output(self) -> EngineCoreOutputs:
         return self.core.step()
+
+    def settle(self) -> None:
+        self.core.apply_steps_in_flight()
 
     def get_stats(self) -> SchedulerStats:
         return self.core.get_stats()

@@ -94,6 +94,8 @@ class LLMEngine:
         processed = self.frontend.process_outputs(core.outputs)
         if processed.reqs_to_abort:
             self.client.abort_requests(processed.reqs_to_abort)
+        if not self.frontend.has_unfinished_requests():
+            self.client.settle()
         if processed.errors:
             raise processed.errors[0][1]
         return processed.request_outputs

@@ -92,13 +92,21 @@ class InputBatch:
         """A launched step samples a token for each of these rows (unique)."""
         self.num_pending[rows] += 1
 
-    def take_sampled_token(self, state: CachedRequestState, token: int) -> None:
-        """The token a launched step sampled for `state`, now known: appended, and no
-        longer pending. Only for a state still in the batch (its row is its own)."""
-        self.num_pending[state.row] -= 1
-        row = state.row
-        n = int(self.num_tokens[row])
-        if n < self.max_model_len:
-            self.token_ids[row, n] = token
-            self.num_tokens[row] = n + 1
-        state.output_token_ids.append(token)
+    def take_sampled_tokens(
+        self, states: list[CachedRequestState], rows: np.ndarray, tokens: list[int]
+    ) -> None:
+        """The tokens a launched step sampled for `states` (at persistent rows `rows`,
+        one each), now known: appended, and no longer pending. Only for states still in
+        the batch (each row its own state's)."""
+        self.num_pending[rows] -= 1
+        n = self.num_tokens[rows]
+        room = n < self.max_model_len
+        if room.all():
+            self.token_ids[rows, n] = tokens
+            self.num_tokens[rows] = n + 1
+        else:
+            kept = rows[room]
+            self.token_ids[kept, n[room]] = np.asarray(tokens, dtype=np.int64)[room]
+            self.num_tokens[kept] = n[room] + 1
+        for state, token in zip(states, tokens):
+            state.output_token_ids.append(token)

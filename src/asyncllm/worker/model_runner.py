@@ -403,16 +403,19 @@ class ModelRunner:
                 failed[new.req_id] = f"the model runner could not take it: {type(e).__name__}: {e}"
         cached = so.scheduled_cached_reqs
         requests = batch.requests
-        for rid, blocks, computed in zip(
+        rows, computed = [], []
+        for rid, blocks, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
         ):
             state = requests.get(rid)
             if state is None:
                 continue  # the runner could not take it in an earlier step
-            row = state.row
             if blocks:
-                batch.append_blocks(row, blocks)
-            batch.num_computed_tokens[row] = computed
+                batch.append_blocks(state.row, blocks)
+            rows.append(state.row)
+            computed.append(num_computed)
+        if rows:
+            batch.num_computed_tokens[rows] = computed
         return failed
 
     def _add_request(self, new: NewRequestData) -> None:
@@ -756,22 +759,30 @@ class StepResult:
         if self._done is not None:
             self._done.synchronize()
         batch = self._runner.input_batch
+        requests = batch.requests
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, TokenLogprobs] = {}
         for g in self._groups:
             tokens = g.tokens.tolist()
-            top = [t.tolist() for t in g.top] if g.top is not None else None
-            for k, (state, token) in enumerate(zip(g.states, tokens)):
-                sampled[state.req_id] = [token]
-                want = state.sampling_params.logprobs
-                if want is not None:
-                    assert top is not None  # the sampler computes them when any row wants them
-                    ids, lps, ranks = top
-                    logprobs[state.req_id] = TokenLogprobs(
-                        [ids[k][: 1 + want]], [lps[k][: 1 + want]], [ranks[k]]
-                    )
-                if batch.requests.get(state.req_id) is state:  # (not dropped meanwhile)
-                    batch.take_sampled_token(state, token)
+            states = g.states
+            ids = [s.req_id for s in states]
+            sampled.update(zip(ids, [[t] for t in tokens]))
+            if g.top is not None:  # (the sampler computes them when any row wants them)
+                top_ids, lps, ranks = (t.tolist() for t in g.top)
+                for k, state in enumerate(states):
+                    want = state.sampling_params.logprobs
+                    if want is not None:
+                        logprobs[state.req_id] = TokenLogprobs(
+                            [top_ids[k][: 1 + want]], [lps[k][: 1 + want]], [ranks[k]]
+                        )
+            live = [requests.get(rid) is s for rid, s in zip(ids, states)]
+            if all(live):
+                batch.take_sampled_tokens(states, g.rows, tokens)
+            elif any(live):  # (some were dropped meanwhile: their rows are not theirs now)
+                keep = np.flatnonzero(live)
+                batch.take_sampled_tokens(
+                    [states[k] for k in keep], g.rows[keep], [tokens[k] for k in keep]
+                )
         self._output = ModelRunnerOutput(
             sampled_token_ids=sampled,
             logprobs=logprobs,
