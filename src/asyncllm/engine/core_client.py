@@ -51,7 +51,7 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def get_output(self) -> EngineCoreOutputs: ...
 
-    def settle(self) -> None:
+    def settle(self) -> None:  # noqa: B027 (an optional hook)
         """Called when the frontend has no request left: a core in this process applies
         its steps still in flight (of requests that have ended), so their blocks come
         back although nothing steps it. A core in its own process does so itself."""
