@@ -48,6 +48,9 @@ class SchedulerOutput:
     # the token) constrains the token that structured_req_ids[i] samples this step.
     structured_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+    # The bitmask is filled after the launch: the runner queues the forward and samples
+    # at the launch's `finish_launch()` (the masks need the tokens of the step before).
+    grammar_bitmask_later: bool = False
 
     @property
     def is_empty(self) -> bool:

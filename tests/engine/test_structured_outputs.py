@@ -290,3 +290,19 @@ def test_the_bitmask_masks_what_a_plain_loop_says():
                 expected[row, t] = float("-inf")
     apply_token_bitmask(logits, torch.tensor(target), bitmask)
     assert torch.equal(logits, expected)
+
+
+def test_a_constrained_request_decodes_every_step(engine):
+    """With async scheduling too, a constrained request gets a token each step (the
+    step after a token in flight is launched first and masked once that token is in),
+    not one every other step."""
+    before = engine.get_stats()["num_steps"]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=16, structured_outputs=S(regex=r"[0-9]{12}")
+    )
+    (out,) = engine.generate([PROMPT], params, use_tqdm=False)
+    n = len(out.outputs[0].token_ids)
+    assert re.fullmatch(r"[0-9]{12}", out.outputs[0].text) and n >= 6, out.outputs[0]
+    # one prefill step (its first token), then one step per further token; every other
+    # step would take 2n - 1
+    assert engine.get_stats()["num_steps"] - before <= n + 1

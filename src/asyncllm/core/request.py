@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from asyncllm.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from asyncllm.core.kv_cache_utils import BlockHasher
+
+class BlockHasher(Protocol):
+    """What a request needs of its block hasher (`kv_cache_utils.BlockHasher`)."""
+
+    block_size: int
+
+    def __call__(self, request: Request) -> list[bytes]: ...
 
 
 class RequestStatus(enum.IntEnum):

@@ -492,7 +492,7 @@ class Scheduler:
             num_decode_tokens=decode,
         )
         if structured:
-            assert self.structured is not None  # (it made their constraints)
+            assert self.structured is not None
             out.grammar_bitmask = self.structured.allocate_bitmask(len(structured))
             out.structured_req_ids = [r.request_id for r in structured]
             if lagging:
@@ -519,9 +519,14 @@ class Scheduler:
             self._fill_masks(sched, structured)
 
     def _fill_masks(self, sched: SchedulerOutput, structured: list[Request]) -> None:
-        for row, req in enumerate(structured):
-            if req.status == RequestStatus.RUNNING and not req.structured.matcher.is_terminated():
-                req.structured.fill(sched.grammar_bitmask, row)
+        assert self.structured is not None  # (it made their constraints)
+        running = RequestStatus.RUNNING
+        rows = [
+            (row, req.structured)
+            for row, req in enumerate(structured)
+            if req.status == running and not req.structured.matcher.is_terminated()
+        ]
+        self.structured.fill_bitmask(sched.grammar_bitmask, rows)
 
     def _record_step(self, prefill: int, decode: int, chunked: bool) -> None:
         s = self.stats

@@ -177,13 +177,16 @@ class EngineCore:
                     self.executor.execute_model(sched)
                 break
             masks_due = self.scheduler.masks_due(sched)
-            if masks_due:
-                while self._in_flight:
-                    outputs.extend(self._apply_oldest())
-                    applied = True
-                self.scheduler.fill_grammar_bitmask(sched)
-            self._in_flight.append((sched, self.executor.execute_model_async(sched)))
+            split = masks_due and self.executor.splits_launch
+            if masks_due and not split:
+                applied |= self._apply_and_fill(sched, outputs, keep=0)
+            sched.grammar_bitmask_later = split
+            future = self.executor.execute_model_async(sched)
+            self._in_flight.append((sched, future))
             launched = True
+            if split:  # its forward runs while the step before is applied
+                applied |= self._apply_and_fill(sched, outputs, keep=1)
+                future.finish_launch()
             if masks_due:
                 break
         if self._in_flight and not applied:
@@ -204,6 +207,16 @@ class EngineCore:
         `step()`."""
         while self._in_flight:
             self._pending_outputs.extend(self._apply_oldest())
+
+    def _apply_and_fill(self, sched: SchedulerOutput, outputs: list, keep: int) -> bool:
+        """Applies the steps in flight but the last `keep`, then fills `sched`'s grammar
+        bitmask; whether any step was applied."""
+        applied = False
+        while len(self._in_flight) > keep:
+            outputs.extend(self._apply_oldest())
+            applied = True
+        self.scheduler.fill_grammar_bitmask(sched)
+        return applied
 
     def _apply_oldest(self) -> list[EngineCoreOutput]:
         sched, future = self._in_flight.popleft()

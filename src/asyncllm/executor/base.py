@@ -10,9 +10,12 @@ from asyncllm.step_io import ModelRunnerOutput, SchedulerOutput
 
 
 class StepFuture(Protocol):
-    """A launched step: `result()` waits for it and returns its output (once)."""
+    """A launched step: `result()` waits for it and returns its output (once). A step
+    launched with `grammar_bitmask_later` samples at `finish_launch()`."""
 
     def result(self) -> ModelRunnerOutput: ...
+
+    def finish_launch(self) -> None: ...
 
 
 class DoneStep:
@@ -24,8 +27,15 @@ class DoneStep:
     def result(self) -> ModelRunnerOutput:
         return self.output
 
+    def finish_launch(self) -> None:
+        return None
+
 
 class Executor(ABC):
+    # Whether `execute_model_async` takes `grammar_bitmask_later` (queues the forward,
+    # samples at the future's `finish_launch`); if not, the bitmask is filled first.
+    splits_launch = False
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
 

@@ -9,6 +9,8 @@ from asyncllm.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
+    splits_launch = True
+
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.worker = Worker(config)

@@ -10,6 +10,7 @@ it on the device; each token the request keeps advances its matcher.
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -18,6 +19,8 @@ import torch
 
 from asyncllm.sampling_params import StructuredOutputsParams
 from asyncllm.structured.grammar import GrammarKey, build_grammar, grammar_key, xgrammar_module
+
+BATCH_FILL_MIN_ROWS = 8  # from this many rows, xgrammar's threads fill the bitmask
 
 
 class StructuredRequest:
@@ -58,6 +61,7 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._compiler: Any = None
         self._cache: dict[GrammarKey, Future[Any]] = {}
+        self._batch_matcher: Any = None
 
     def _get_compiler(self) -> Any:
         with self._lock:  # (built once, by the first compilation)
@@ -83,6 +87,22 @@ class StructuredOutputManager:
         if fut is None or (fut.done() and fut.exception() is not None):
             fut = self._cache[key] = self._pool.submit(self._compile, key)
         return StructuredRequest(fut)
+
+    def fill_bitmask(
+        self, bitmask: torch.Tensor, rows: list[tuple[int, StructuredRequest]]
+    ) -> None:
+        """Fills `bitmask`'s rows from their requests' matchers: (row, request) pairs.
+        Many rows on a host with cores to spare are filled by xgrammar's threads at once
+        (a row costs ~20 µs, 1.3 ms at batch 64 alone)."""
+        if len(rows) >= BATCH_FILL_MIN_ROWS and (os.cpu_count() or 1) >= 4:
+            if self._batch_matcher is None:
+                self._batch_matcher = xgrammar_module().BatchGrammarMatcher("auto")
+            self._batch_matcher.batch_fill_next_token_bitmask(
+                [r.matcher for _, r in rows], bitmask, [i for i, _ in rows]
+            )
+            return
+        for i, r in rows:
+            r.fill(bitmask, i)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         bitmask: torch.Tensor = xgrammar_module().allocate_token_bitmask(rows, self.vocab_size)

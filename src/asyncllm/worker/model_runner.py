@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -336,6 +337,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model_async(self, so: SchedulerOutput) -> StepResult:
         """Queues the step on the device; its `result()` waits for the tokens."""
+        if self._in_flight:
+            self._in_flight[-1].finish_launch()  # (its logits must be sampled first)
         result = self._launch(so)
         self._in_flight.append(result)
         return result
@@ -355,21 +358,43 @@ class ModelRunner:
         # logprobs depends on the tokens it had when the step began.
         prompt_rows = self._prompt_logprob_rows(inputs)
         hidden, logits = self._run_model(inputs, prompt_rows)
+        result = StepResult(self, [], failed, {}, None)
+        if so.grammar_bitmask_later:
+            # The forward is queued; the sampling waits for the bitmask (`finish_launch`).
+            result.finish = lambda: self._finish_launch(
+                so, result, inputs, prompt_rows, hidden, logits
+            )
+        else:
+            self._finish_launch(so, result, inputs, prompt_rows, hidden, logits)
+        return result
+
+    @torch.inference_mode()
+    def _finish_launch(
+        self,
+        so: SchedulerOutput,
+        result: StepResult,
+        inputs: StepInputs,
+        prompt_rows: list[PromptLogprobRows],
+        hidden: torch.Tensor | None,
+        logits: torch.Tensor,
+    ) -> None:
+        """Queues the rest of a launched step: the grammar masks, the sampling, prompt
+        logprobs and the copies to the host."""
+        result.finish = None
         if so.grammar_bitmask is not None:
             self._apply_grammar_bitmask(so, inputs, logits)
         groups, sample_failed = self._sample(inputs, logits)
         del logits
         prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)
-        batch.num_computed_tokens[inputs.rows] = inputs.seq_lens  # now cached
+        self.input_batch.num_computed_tokens[inputs.rows] = inputs.seq_lens  # now cached
         for rid in sample_failed:
             self._drop(rid)
             prompt_logprobs.pop(rid, None)
-        failed.update(sample_failed)
-        done = None
+        result._failed.update(sample_failed)
+        result._groups, result._prompt_logprobs = groups, prompt_logprobs
         if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-        return StepResult(self, groups, failed, prompt_logprobs, done)
+            result._done = torch.cuda.Event()
+            result._done.record()
 
     def apply_results_through(self, result: StepResult | None) -> None:
         """Applies the results in flight, oldest first, up to `result` (None: all)."""
@@ -746,6 +771,14 @@ class StepResult:
         self._done = done
         self._output: ModelRunnerOutput | None = None
         self._failed, self._prompt_logprobs = failed, prompt_logprobs
+        # Set while the step's sampling waits for its grammar bitmask: queues it.
+        self.finish: Callable[[], None] | None = None
+
+    def finish_launch(self) -> None:
+        """Queues the sampling of a step launched with `grammar_bitmask_later`, once the
+        scheduler has filled its bitmask; nothing for any other step."""
+        if self.finish is not None:
+            self.finish()
 
     def result(self) -> ModelRunnerOutput:
         if self._output is None:
@@ -756,6 +789,7 @@ class StepResult:
     def apply(self) -> None:
         if self._output is not None:
             return
+        self.finish_launch()  # (a step is always sampled before its results are read)
         if self._done is not None:
             self._done.synchronize()
         batch = self._runner.input_batch
