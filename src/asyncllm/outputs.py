@@ -17,6 +17,16 @@ PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass
+class ToolCall:
+    """One tool call a model made, as OpenAI's API gives it: `arguments` is JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+    type: str = "function"
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -26,6 +36,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     delta: str = ""  # text since the previous output of this request
+    # chat with tools: the calls parsed from the finished text (which keeps the rest)
+    tool_calls: list[ToolCall] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -39,12 +39,14 @@ from asyncllm.engine.llm_engine import create_host_side, startup_error
 from asyncllm.entrypoints.setup_batch import SetupThread
 from asyncllm.errors import EngineDeadError, EngineStartupError
 from asyncllm.frontend.chat import Messages
+from asyncllm.frontend.chat_tools import check_tools, tool_choice_constraint, with_tool_choice
 from asyncllm.frontend.collector import RequestOutputCollector
 from asyncllm.frontend.frontend import Frontend
 from asyncllm.frontend.input_processor import PromptType
+from asyncllm.frontend.tool_calls import parse_tool_calls
 from asyncllm.messages import EngineCoreOutputs, SchedulerStats
 from asyncllm.outputs import RequestOutput
-from asyncllm.sampling_params import SamplingParams
+from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class AsyncLLM:
@@ -264,10 +266,37 @@ class AsyncLLM:
         priority: int = 0,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: Any = "auto",
     ) -> AsyncGenerator[RequestOutput, None]:
-        """One conversation through the tokenizer's chat template, streamed."""
-        prompt = await self.render_chat(messages, add_generation_prompt, chat_template_kwargs)
+        """One conversation through the tokenizer's chat template, streamed. With
+        `tools` (as in `LLM.chat`) the text streams as it comes, and the last output's
+        completions carry the parsed `tool_calls` (their whole text parsed, whatever
+        the output kind)."""
+        if tools is not None:
+            tools = check_tools(tools)
+            sampling_params = with_tool_choice(
+                sampling_params, tool_choice_constraint(tools, tool_choice)
+            )
+        rendered = None if tool_choice == "none" else tools
+        prompt = await self.render_chat(
+            messages, add_generation_prompt, chat_template_kwargs, rendered
+        )
+        texts: dict[int, str] = {}  # each completion's whole text so far
+        delta = sampling_params is not None and (
+            sampling_params.output_kind == RequestOutputKind.DELTA
+        )
         async for out in self.generate(prompt, sampling_params, request_id, priority):
+            if rendered is not None:
+                for c in out.outputs:
+                    texts[c.index] = texts.get(c.index, "") + c.text if delta else c.text
+                if out.finished:
+                    for c in out.outputs:
+                        content, calls = parse_tool_calls(texts[c.index])
+                        if calls:
+                            c.tool_calls = calls
+                            if not delta:
+                                c.text = content
             yield out
 
     async def render_chat(
@@ -275,13 +304,14 @@ class AsyncLLM:
         messages: Messages,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """The prompt (`{"prompt_token_ids": [...]}`) of one conversation through the
         tokenizer's chat template, rendered in the setup thread."""
         frontend, _ = self._check_usable()
         assert self._setup is not None  # (_check_usable passed)
         prompt: dict[str, Any] = await self._setup.run(
-            frontend.chat_prompt, messages, add_generation_prompt, chat_template_kwargs
+            frontend.chat_prompt, messages, add_generation_prompt, chat_template_kwargs, tools
         )
         return prompt
 

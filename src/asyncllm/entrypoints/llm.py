@@ -19,6 +19,12 @@ from asyncllm.config import EngineArgs
 from asyncllm.engine.core_client import InprocClient, SyncMPClient
 from asyncllm.engine.llm_engine import LLMEngine
 from asyncllm.frontend.chat import Messages, as_conversations
+from asyncllm.frontend.chat_tools import (
+    attach_tool_calls,
+    check_tools,
+    tool_choice_constraint,
+    with_tool_choice,
+)
 from asyncllm.frontend.input_processor import PromptType
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
@@ -134,15 +140,30 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: Any = "auto",
     ) -> list[RequestOutput]:
         """One conversation (a list of {'role', 'content'} dicts) or a list of them,
-        through the tokenizer's chat template."""
+        through the tokenizer's chat template. With `tools` (OpenAI's function tools)
+        the template renders them (a Hermes-style one where the model's ignores them),
+        and each completion's `tool_calls` holds the calls parsed from its text;
+        `tool_choice` 'required' or a named function forces one valid call, 'none'
+        renders no tools."""
         frontend = self.engine.frontend
+        if tools is not None:
+            tools = check_tools(tools)
+            constraint = tool_choice_constraint(tools, tool_choice)
+            if sampling_params is None or isinstance(sampling_params, SamplingParams):
+                sampling_params = with_tool_choice(sampling_params, constraint)
+            else:
+                sampling_params = [with_tool_choice(p, constraint) or p for p in sampling_params]
+        rendered = None if tool_choice == "none" else tools
         prompts: list[PromptType] = [
-            frontend.chat_prompt(conv, add_generation_prompt, chat_template_kwargs)
+            frontend.chat_prompt(conv, add_generation_prompt, chat_template_kwargs, rendered)
             for conv in as_conversations(messages)
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return [attach_tool_calls(o) for o in outs] if rendered is not None else outs
 
     def get_stats(self) -> dict[str, Any]:
         """Running/waiting requests, KV usage, prefix-cache hit rate, preemptions and

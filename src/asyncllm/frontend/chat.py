@@ -54,13 +54,21 @@ def render_chat(
     messages: Messages,
     add_generation_prompt: bool = True,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The prompt (as {'prompt_token_ids': [...]}) for one conversation."""
+    """The prompt (as {'prompt_token_ids': [...]}) for one conversation, with `tools`
+    (checked) in the template's own way or, where it ignores them, the Hermes style."""
+    from asyncllm.frontend.chat_tools import check_tools, tools_template_kwargs
+
     if tokenizer is None:
         raise ValueError("chat needs the tokenizer (skip_tokenizer_init is set)")
     check_conversation(messages)
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise TypeError("chat_template_kwargs must be a dict")
+    if tools is not None:
+        chat_template_kwargs = tools_template_kwargs(
+            tokenizer, check_tools(tools), chat_template_kwargs
+        )
     ids = tokenizer.apply_chat_template(
         list(messages),
         add_generation_prompt=add_generation_prompt,

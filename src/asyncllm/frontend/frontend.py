@@ -98,8 +98,11 @@ class Frontend:
         messages: Messages,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        return render_chat(self.tokenizer, messages, add_generation_prompt, chat_template_kwargs)
+        return render_chat(
+            self.tokenizer, messages, add_generation_prompt, chat_template_kwargs, tools
+        )
 
     def add_request(
         self,

@@ -13,20 +13,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
+from asyncllm.outputs import ToolCall
+
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
-
-
-@dataclass
-class ToolCall:
-    """One parsed call, as OpenAI's API gives it: `arguments` is a JSON string."""
-
-    id: str
-    name: str
-    arguments: str
-    type: str = "function"
 
 
 def _call_id() -> str:

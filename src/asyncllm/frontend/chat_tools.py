@@ -1,0 +1,153 @@
+"""Tools in chat: checking `tools` and `tool_choice`, the Hermes-style fallback template
+for models whose own template ignores tools (or breaks on an assistant turn that only
+calls tools), the constraint that forces a call, and the parsed calls on the outputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncllm.frontend.tool_calls import parse_tool_calls
+from asyncllm.outputs import RequestOutput
+from asyncllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+Tools = list[dict[str, Any]]
+
+# ChatML with the tools in the system turn and calls as <tool_call> blocks (the format
+# Hermes and Qwen models are trained on); tool results come back as <tool_response>.
+HERMES_TEMPLATE = (
+    "{%- set sys = messages[0]['content'] if messages and messages[0]['role'] == 'system' "
+    "else 'You are a helpful assistant.' -%}"
+    "<|im_start|>system\n{{ sys }}"
+    "{%- if tools %}\n\nYou may call functions to answer. The functions are inside "
+    "<tools></tools>:\n<tools>\n{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}\n"
+    "</tools>\nTo call one, answer with a JSON object of the function's name and "
+    'arguments inside <tool_call></tool_call>:\n<tool_call>\n{"name": <function-name>, '
+    '"arguments": <arguments-object>}\n</tool_call>{%- endif %}<|im_end|>\n'
+    "{%- for m in messages %}{%- if not (loop.first and m['role'] == 'system') %}"
+    "{%- if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- elif m['role'] == 'assistant' and m.get('tool_calls') %}<|im_start|>assistant\n"
+    "{%- if m['content'] %}{{ m['content'] }}\n{% endif %}"
+    "{%- for c in m['tool_calls'] %}{%- set f = c['function'] if c.get('function') else c %}"
+    '<tool_call>\n{"name": {{ f["name"] | tojson }}, "arguments": '
+    "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}}\n"
+    "</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def check_tools(tools: Any) -> Tools:
+    """`tools` as OpenAI gives them: [{'type': 'function', 'function': {'name', ...}}]."""
+    if not isinstance(tools, list | tuple) or not tools:
+        raise TypeError("tools must be a non-empty list of {'type': 'function', 'function': {...}}")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or t.get("type", "function") != "function":
+            raise TypeError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"tools[{i}]['function']['name'] must be a non-empty str")
+        params = fn.get("parameters", {})
+        if not isinstance(params, dict):
+            raise TypeError(f"tools[{i}]['function']['parameters'] must be a JSON schema dict")
+    return list(tools)
+
+
+def _call_schema(fn: dict[str, Any]) -> dict[str, Any]:
+    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": fn["name"]}, "arguments": params},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def tool_choice_constraint(tools: Tools, tool_choice: Any) -> StructuredOutputsParams | None:
+    """The constraint that `tool_choice` puts on the answer: none for 'auto' and 'none';
+    for 'required', one call (plain JSON) to any of the tools; for a named function
+    ({'type': 'function', 'function': {'name': ...}}), one call to it."""
+    if tool_choice in (None, "auto", "none"):
+        return None
+    fns = [t["function"] for t in tools]
+    if tool_choice == "required":
+        chosen = fns
+    elif isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict):
+        name = tool_choice["function"].get("name")
+        chosen = [f for f in fns if f["name"] == name]
+        if not chosen:
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+    else:
+        raise ValueError(
+            "tool_choice must be 'auto', 'none', 'required' or "
+            f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}"
+        )
+    schemas = [_call_schema(f) for f in chosen]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return StructuredOutputsParams(json=schema)
+
+
+def with_tool_choice(
+    params: SamplingParams | None, constraint: StructuredOutputsParams | None
+) -> SamplingParams | None:
+    """The sampling parameters with the forced call's constraint (ValueError if they
+    carry structured_outputs of their own)."""
+    if constraint is None:
+        return params
+    params = params if params is not None else SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise TypeError("sampling_params must be a SamplingParams")
+    if params.structured_outputs is not None:
+        raise ValueError(
+            "tool_choice forces a call: sampling_params.structured_outputs must be unset"
+        )
+    return params.clone(structured_outputs=constraint)
+
+
+def template_uses_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's own chat template renders `tools` and an assistant turn
+    that only calls tools (content None): else the Hermes fallback is used."""
+    cached = getattr(tokenizer, "_asyncllm_template_uses_tools", None)
+    if cached is not None:
+        return bool(cached)
+    probe_tool = {"type": "function", "function": {"name": "probe_fn_x7", "parameters": {}}}
+    call = {"type": "function", "function": {"name": "probe_fn_x7", "arguments": "{}"}}
+    conv = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "ok"},
+    ]
+    try:
+        text = tokenizer.apply_chat_template(conv, tools=[probe_tool], tokenize=False)
+        uses = isinstance(text, str) and text.count("probe_fn_x7") >= 2
+    except Exception:  # noqa: BLE001 (a template that breaks on tools: the fallback)
+        uses = False
+    try:
+        tokenizer._asyncllm_template_uses_tools = uses
+    except AttributeError:
+        pass
+    return uses
+
+
+def tools_template_kwargs(
+    tokenizer: Any, tools: Tools | None, chat_template_kwargs: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The template arguments that render `tools`: the tokenizer's template if it
+    handles them, else the Hermes fallback."""
+    if tools is None:
+        return chat_template_kwargs
+    kwargs = {**(chat_template_kwargs or {}), "tools": tools}
+    if "chat_template" not in kwargs and not template_uses_tools(tokenizer):
+        kwargs["chat_template"] = HERMES_TEMPLATE
+    return kwargs
+
+
+def attach_tool_calls(out: RequestOutput) -> RequestOutput:
+    """Parses each completion's text for tool calls: where there are some, `tool_calls`
+    holds them and `text` what is left."""
+    for c in out.outputs:
+        content, calls = parse_tool_calls(c.text)
+        if calls:
+            c.text, c.tool_calls = content, calls
+    return out
