@@ -292,10 +292,12 @@ def test_the_bitmask_masks_what_a_plain_loop_says():
     assert torch.equal(logits, expected)
 
 
-def test_a_constrained_request_decodes_every_step(engine):
-    """With async scheduling too, a constrained request gets a token each step (the
-    step after a token in flight is launched first and masked once that token is in),
-    not one every other step."""
+def test_a_constrained_request_decodes_every_step(llm):
+    """With async scheduling (the shared engine's default), a constrained request gets
+    a token each step (the step after a token in flight is launched first and masked
+    once that token is in), not one every other step."""
+    engine = llm
+    assert _async(engine)
     before = engine.get_stats()["num_steps"]
     params = SamplingParams(
         temperature=0.0, max_tokens=16, structured_outputs=S(regex=r"[0-9]{12}")
