@@ -30,6 +30,9 @@ stats of the timed steps, `--trace-dir DIR` each batch's Chrome trace.
 
     python -m asyncllm.bench.step_profile --model benchmarks/configs/qwen3-0.6b \
         --load-format dummy --skip-tokenizer-init --dtype bfloat16 --batch 1 256
+
+Without a GPU, `--model benchmarks/configs/tiny-qwen3 --device cpu` (two layers of
+width 64) keeps the model's share small, so the host's stages stand out.
 """
 
 from __future__ import annotations
