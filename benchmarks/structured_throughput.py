@@ -18,6 +18,7 @@ import json
 import time
 
 from asyncllm import LLM, SamplingParams, StructuredOutputsParams
+from asyncllm.bench.common import add_engine_args, engine_kwargs
 
 SCHEMA = {
     "type": "array",
@@ -36,22 +37,13 @@ def run(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[int, floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="a model folder (default: the embedded SmolLM2)")
-    ap.add_argument("--load-format", default="auto", help="'dummy': random weights")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
+    add_engine_args(ap, device="cuda", dtype="bfloat16")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--no-async-scheduling", action="store_true")
     args = ap.parse_args()
-    llm = LLM(
-        model=args.model,
-        load_format=args.load_format,
-        device=args.device,
-        dtype=args.dtype,
-        max_num_seqs=max(args.batch),
-        async_scheduling=not args.no_async_scheduling,
-    )
+    kwargs = engine_kwargs(args)
+    kwargs.setdefault("max_num_seqs", max(args.batch))
+    llm = LLM(**kwargs)
     free = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     constrained = SamplingParams(
         temperature=0.0,

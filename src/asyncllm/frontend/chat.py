@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from asyncllm.frontend.chat_tools import check_tools, tools_template_kwargs
+
 Messages = list[dict[str, Any]]
 
 _SHAPE = "messages must be a non-empty list of {'role': ..., 'content': ...} dicts"
@@ -58,8 +60,6 @@ def render_chat(
 ) -> dict[str, Any]:
     """The prompt (as {'prompt_token_ids': [...]}) for one conversation, with `tools`
     (checked) in the template's own way or, where it ignores them, the Hermes style."""
-    from asyncllm.frontend.chat_tools import check_tools, tools_template_kwargs
-
     if tokenizer is None:
         raise ValueError("chat needs the tokenizer (skip_tokenizer_init is set)")
     check_conversation(messages)

@@ -105,29 +105,29 @@ def with_tool_choice(
     return params.clone(structured_outputs=constraint)
 
 
+# chat template text -> whether it renders tools (one probe per distinct template)
+_USES_TOOLS: dict[str | None, bool] = {}
+
+
 def template_uses_tools(tokenizer: Any) -> bool:
     """Whether the tokenizer's own chat template renders `tools` and an assistant turn
     that only calls tools (content None): else the Hermes fallback is used."""
-    cached = getattr(tokenizer, "_asyncllm_template_uses_tools", None)
-    if cached is not None:
-        return bool(cached)
-    probe_tool = {"type": "function", "function": {"name": "probe_fn_x7", "parameters": {}}}
-    call = {"type": "function", "function": {"name": "probe_fn_x7", "arguments": "{}"}}
-    conv = [
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "content": "ok"},
-    ]
-    try:
-        text = tokenizer.apply_chat_template(conv, tools=[probe_tool], tokenize=False)
-        uses = isinstance(text, str) and text.count("probe_fn_x7") >= 2
-    except Exception:  # noqa: BLE001 (a template that breaks on tools: the fallback)
-        uses = False
-    try:
-        tokenizer._asyncllm_template_uses_tools = uses
-    except AttributeError:
-        pass
-    return uses
+    template = getattr(tokenizer, "chat_template", None)
+    if template not in _USES_TOOLS:
+        probe_tool = {"type": "function", "function": {"name": "probe_fn_x7", "parameters": {}}}
+        call = {"type": "function", "function": {"name": "probe_fn_x7", "arguments": "{}"}}
+        conv = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": "ok"},
+        ]
+        try:
+            text = tokenizer.apply_chat_template(conv, tools=[probe_tool], tokenize=False)
+            uses = isinstance(text, str) and text.count("probe_fn_x7") >= 2
+        except Exception:  # noqa: BLE001 (a template that breaks on tools: the fallback)
+            uses = False
+        _USES_TOOLS[template] = uses
+    return _USES_TOOLS[template]
 
 
 def tools_template_kwargs(
