@@ -191,8 +191,9 @@ class EngineArgs:
     """The host schedules and prepares step N+1 while the device runs step N (the
     sampled ids go from one step to the next on the device); off: one step at a time."""
     cpu_threads: int | None = None
-    """torch's intra-op threads for the engine core's CPU work; None: torch's own count
-    (one per core, or OMP_NUM_THREADS). On a machine busy with other work, fewer."""
+    """torch's intra-op threads for the engine core's CPU work; None: one per CPU the
+    core may use, lowered while other processes keep CPUs busy (engine/cpu_threads.py),
+    or OMP_NUM_THREADS where it is set."""
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str | os.PathLike):

@@ -125,6 +125,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_chunked_prefill_steps: int = 0  # some prompt was only partly computed
     total_prefill_tokens: int = 0
     total_decode_tokens: int = 0
+    cpu_threads: int = 0  # the core's torch threads now (in get_stats' answer only)
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

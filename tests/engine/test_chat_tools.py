@@ -73,6 +73,20 @@ def test_smollm_template_ignores_tools_so_the_fallback_renders_them(llm, smollm_
     assert direct in text  # (the same template, rendered by the tokenizer itself)
 
 
+def test_tool_turns_without_tools_still_render_through_the_fallback(llm, smollm_tokenizer):
+    # (an agent answering after a call, with tool_choice 'none' or no tools at all)
+    call = {"type": "function", "function": {"name": "clock", "arguments": "{}"}}
+    conv = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "12:00"},
+    ]
+    text = smollm_tokenizer.decode(llm.engine.frontend.chat_prompt(conv)["prompt_token_ids"])
+    assert '<tool_call>\n{"name": "clock", "arguments": {}}' in text and "<tools>" not in text
+    (out,) = llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert out.outputs[0].text
+
+
 def test_required_and_named_tool_choice_force_a_valid_call(llm):
     (out,) = llm.chat(ASK, GREEDY, use_tqdm=False, tools=TOOLS, tool_choice="required")
     (call,) = out.outputs[0].tool_calls

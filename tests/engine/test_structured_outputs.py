@@ -308,3 +308,17 @@ def test_a_constrained_request_decodes_every_step(llm):
     # one prefill step (its first token), then one step per further token; every other
     # step would take 2n - 1
     assert engine.get_stats()["num_steps"] - before <= n + 1
+
+
+def test_properties_are_generated_in_the_schema_order(llm):
+    # (the order is the schema's meaning for a tool call: the name before the arguments)
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"type": "integer", "minimum": 0, "maximum": 9}, "alpha": NAME},
+        "required": ["zeta", "alpha"],
+        "additionalProperties": False,
+    }
+    (out,) = llm.generate([PROMPT], _json_params(schema, temperature=0.0), use_tqdm=False)
+    text = out.outputs[0].text
+    _check_json(text, schema)
+    assert text.startswith('{"zeta"'), text

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from asyncllm.frontend.tool_calls import parse_tool_calls
+from asyncllm.frontend.tool_calls import ToolCallStream, parse_tool_calls
 
 
 def _plain(calls):
@@ -84,3 +84,35 @@ def test_a_malformed_block_stays_beside_a_good_one():
     content, calls = parse_tool_calls(text)
     assert _plain(calls) == [("clock", {})]
     assert content == "<tool_call>{oops}</tool_call> then"
+
+
+def _stream(pieces):
+    s = ToolCallStream()
+    sent = [s.feed(p) for p in pieces]
+    rest, calls = s.finish()
+    return sent, rest, calls
+
+
+def test_a_stream_sends_content_as_it_comes_and_holds_back_a_call():
+    text = 'Let me check. <tool_call>{"name": "clock", "arguments": {"tz": "UTC"}}</tool_call>'
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]  # the marker split up
+    sent, rest, calls = _stream(pieces)
+    assert "".join(sent) == "Let me check. " and rest == ""
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("clock", {"tz": "UTC"})]
+    assert all("<" not in s for s in sent)
+
+
+def test_a_stream_of_plain_json_waits_for_the_end():
+    sent, rest, calls = _stream(["  ", '{"name": "f", ', '"arguments": {}}'])
+    assert sent == ["", "", ""] and rest == "" and [c.name for c in calls] == ["f"]
+
+
+def test_a_stream_without_calls_gives_all_its_text():
+    for pieces in (["Hello", " <tool", "box> done"], ["<", "b>x"], ["{not json", "}"]):
+        sent, rest, calls = _stream(pieces)
+        assert "".join(sent) + rest == "".join(pieces) and calls == []
+
+
+def test_a_malformed_call_in_a_stream_comes_back_as_content():
+    sent, rest, calls = _stream(["ok ", "<tool_call>{broken", "</tool_call>"])
+    assert calls == [] and "".join(sent) + rest == "ok <tool_call>{broken</tool_call>"

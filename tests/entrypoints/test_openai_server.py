@@ -26,7 +26,7 @@ openai = pytest.importorskip("openai")  # (the test extra; the GPU machine lacks
 parser = pytest.importorskip("prometheus_client.parser")
 text_string_to_metric_families = parser.text_string_to_metric_families
 
-ENGINE = ["--device", "cpu", "--max-model-len", "256"]
+ENGINE = ["--device", "cpu", "--max-model-len", "512"]
 INSTANT = ["--distributed-executor-backend", "asyncllm.executor.instant:InstantExecutor"]
 G = dict(temperature=0, extra_body={"ignore_eos": True})  # greedy, to the length asked
 MODEL = "default"
@@ -228,7 +228,7 @@ def test_bad_requests_get_openai_errors_and_the_server_serves_on(server):
     assert "JSON" in err["message"]
     err = _error(post(url, json={"model": MODEL, "prompt": "x", "max_tokens": -1}), 400)
     assert err["param"] == "max_tokens"
-    long_prompt = " ".join(["hello"] * 400)  # past max_model_len 256
+    long_prompt = " ".join(["hello"] * 800)  # past max_model_len 512
     err = _error(post(url, json={"model": MODEL, "prompt": long_prompt}), 400)
     assert "max_model_len" in err["message"]
     err = _error(post(url, json={"model": "gpt-4", "prompt": "x"}), 404)
@@ -366,3 +366,162 @@ def test_logprobs(server):
     for t in content:
         assert [x.token for x in t.top_logprobs][0] == t.token
         assert t.bytes == list(t.token.encode())
+
+
+CALC = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluates an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "maxLength": 24}},
+            "required": ["expression"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "clock",
+        "description": "The current time in a time zone.",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"enum": ["UTC", "Europe/Paris", "Asia/Tokyo"]}},
+            "required": ["timezone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is 12 times 7? Use a tool."}]
+
+
+def _valid_call(call, tools=(CALC, CLOCK)):
+    jsonschema = pytest.importorskip("jsonschema")
+    (fn,) = [t["function"] for t in tools if t["function"]["name"] == call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), fn["parameters"])
+    assert call.id.startswith("call_") and call.type == "function"
+
+
+def test_response_format_json_schema_and_json_object(server):
+    pytest.importorskip("xgrammar")
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 16},
+            "population": {"type": "integer", "minimum": 0, "maximum": 100000000},
+        },
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
+    client = server.client()
+    ask = [{"role": "user", "content": "Name a big city and its population as JSON."}]
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=ask,
+        max_tokens=48,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+    )
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    assert out.choices[0].finish_reason == "stop"
+    obj = client.chat.completions.create(
+        model=MODEL,
+        messages=ask,
+        max_tokens=48,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    # vLLM's own field, on the legacy completions route too
+    pick = client.completions.create(
+        model=MODEL,
+        prompt="The sky is",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"structured_outputs": {"choice": ["blue", "green"]}},
+    )
+    assert pick.choices[0].text in ("blue", "green")
+
+
+def test_a_forced_tool_call_comes_back_as_tool_calls(server):
+    pytest.importorskip("xgrammar")
+    client = server.client()
+    named = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        max_tokens=48,
+        temperature=0,
+        tools=[CALC, CLOCK],
+        tool_choice={"type": "function", "function": {"name": "calculator"}},
+    )
+    choice = named.choices[0]
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "calculator" and not choice.message.content
+    _valid_call(call)
+    assert choice.finish_reason == "stop"  # (vLLM: a named function's call ends 'stop')
+    required = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=48, temperature=0, tools=[CLOCK],
+        tool_choice="required",
+    )  # fmt: skip
+    (call,) = required.choices[0].message.tool_calls
+    _valid_call(call)
+    assert required.choices[0].finish_reason == "tool_calls"
+    # the call and its result fed back: the fallback template renders both
+    again = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00"},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=again, max_tokens=8, temperature=0, tools=[CLOCK],
+        tool_choice="none",
+    )  # fmt: skip
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+def test_a_streamed_tool_call_arrives_as_delta_tool_calls(server):
+    pytest.importorskip("xgrammar")
+    stream = server.client().chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        max_tokens=48,
+        temperature=0,
+        tools=[CALC, CLOCK],
+        tool_choice="required",
+        stream=True,
+    )
+    chunks = [ch for ch in stream if ch.choices]
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    calls = [tc for ch in chunks for tc in ch.choices[0].delta.tool_calls or []]
+    assert content == "" and len(calls) == 1 and calls[0].index == 0
+    _valid_call(calls[0])
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
+
+
+def test_bad_tools_and_formats_are_400s_naming_the_field(server):
+    url = server.url + "/v1/chat/completions"
+    base = {"model": MODEL, "messages": ASK, "max_tokens": 4}
+    cases = [
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [CALC], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+         "tool_choice"),
+        ({"tools": [CALC], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+         "response_format"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": {"pattern": "a"}}, "structured_outputs"),
+        ({"tools": [CALC], "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "tool_choice"),
+    ]  # fmt: skip
+    for extra, param in cases:
+        err = _error(post(url, json={**base, **extra}), 400)
+        assert err["param"] == param, (extra, err)
+    ok = server.client().chat.completions.create(model=MODEL, messages=ASK, max_tokens=2)
+    assert ok.usage.completion_tokens == 2

@@ -13,6 +13,8 @@ import logging
 import math
 from collections import deque
 
+import torch
+
 from asyncllm.config import EngineConfig
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.kv_cache_utils import BlockHasher
@@ -39,7 +41,7 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         self.config = config
-        set_cpu_threads(config)
+        self.thread_tuner = set_cpu_threads(config)
         self.executor = (executor_class or get_executor_class(config))(config)
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_cache(self.num_blocks)
@@ -163,6 +165,8 @@ class EngineCore:
         ended (error outputs), and what the model produced. Never a step that changes
         nothing while requests are unfinished: a core loop that steps while
         `has_unfinished_requests()` would spin, sending empty outputs."""
+        if self.thread_tuner is not None:
+            self.thread_tuner.tick()
         outputs, self._pending_outputs = self._pending_outputs, []
         launched = applied = False
         # Launch steps until `_depth` are in flight (or nothing more can be scheduled),
@@ -223,7 +227,9 @@ class EngineCore:
         return self.scheduler.update_from_output(sched, future.result())
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        stats.cpu_threads = torch.get_num_threads()
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

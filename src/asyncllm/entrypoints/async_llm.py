@@ -39,7 +39,7 @@ from asyncllm.engine.llm_engine import create_host_side, startup_error
 from asyncllm.entrypoints.setup_batch import SetupThread
 from asyncllm.errors import EngineDeadError, EngineStartupError
 from asyncllm.frontend.chat import Messages
-from asyncllm.frontend.chat_tools import check_tools, tool_choice_constraint, with_tool_choice
+from asyncllm.frontend.chat_tools import tools_and_constraint, with_tool_choice
 from asyncllm.frontend.collector import RequestOutputCollector
 from asyncllm.frontend.frontend import Frontend
 from asyncllm.frontend.input_processor import PromptType
@@ -273,12 +273,8 @@ class AsyncLLM:
         `tools` (as in `LLM.chat`) the text streams as it comes, and the last output's
         completions carry the parsed `tool_calls` (their whole text parsed, whatever
         the output kind)."""
-        if tools is not None:
-            tools = check_tools(tools)
-            sampling_params = with_tool_choice(
-                sampling_params, tool_choice_constraint(tools, tool_choice)
-            )
-        rendered = None if tool_choice == "none" else tools
+        rendered, constraint = tools_and_constraint(tools, tool_choice)
+        sampling_params = with_tool_choice(sampling_params, constraint)
         prompt = await self.render_chat(
             messages, add_generation_prompt, chat_template_kwargs, rendered
         )

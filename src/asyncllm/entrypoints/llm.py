@@ -19,12 +19,7 @@ from asyncllm.config import EngineArgs
 from asyncllm.engine.core_client import InprocClient, SyncMPClient
 from asyncllm.engine.llm_engine import LLMEngine
 from asyncllm.frontend.chat import Messages, as_conversations
-from asyncllm.frontend.chat_tools import (
-    attach_tool_calls,
-    check_tools,
-    tool_choice_constraint,
-    with_tool_choice,
-)
+from asyncllm.frontend.chat_tools import attach_tool_calls, tools_and_constraint, with_tool_choice
 from asyncllm.frontend.input_processor import PromptType
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
@@ -150,14 +145,12 @@ class LLM:
         `tool_choice` 'required' or a named function forces one valid call, 'none'
         renders no tools."""
         frontend = self.engine.frontend
-        if tools is not None:
-            tools = check_tools(tools)
-            constraint = tool_choice_constraint(tools, tool_choice)
+        rendered, constraint = tools_and_constraint(tools, tool_choice)
+        if constraint is not None:
             if sampling_params is None or isinstance(sampling_params, SamplingParams):
                 sampling_params = with_tool_choice(sampling_params, constraint)
             else:
                 sampling_params = [with_tool_choice(p, constraint) or p for p in sampling_params]
-        rendered = None if tool_choice == "none" else tools
         prompts: list[PromptType] = [
             frontend.chat_prompt(conv, add_generation_prompt, chat_template_kwargs, rendered)
             for conv in as_conversations(messages)

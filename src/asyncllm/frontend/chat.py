@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from jinja2 import TemplateError
+
 from asyncllm.frontend.chat_tools import check_tools, tools_template_kwargs
 
 Messages = list[dict[str, Any]]
@@ -65,16 +67,18 @@ def render_chat(
     check_conversation(messages)
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise TypeError("chat_template_kwargs must be a dict")
-    if tools is not None:
-        chat_template_kwargs = tools_template_kwargs(
-            tokenizer, check_tools(tools), chat_template_kwargs
-        )
-    ids = tokenizer.apply_chat_template(
-        list(messages),
-        add_generation_prompt=add_generation_prompt,
-        tokenize=True,
-        **(chat_template_kwargs or {}),
+    chat_template_kwargs = tools_template_kwargs(
+        tokenizer, None if tools is None else check_tools(tools), messages, chat_template_kwargs
     )
+    try:
+        ids = tokenizer.apply_chat_template(
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            **(chat_template_kwargs or {}),
+        )
+    except TemplateError as e:  # the template refused this conversation
+        raise ValueError(f"the chat template cannot render these messages: {e}") from None
     if not isinstance(ids, list):
         ids = ids["input_ids"]
     return {"prompt_token_ids": list(ids)}

@@ -14,27 +14,36 @@ Tools = list[dict[str, Any]]
 
 # ChatML with the tools in the system turn and calls as <tool_call> blocks (the format
 # Hermes and Qwen models are trained on); tool results come back as <tool_response>.
+# Every newline is printed by an expression: transformers compiles templates with
+# trim_blocks, which drops a newline that follows a block tag.
 HERMES_TEMPLATE = (
-    "{%- set sys = messages[0]['content'] if messages and messages[0]['role'] == 'system' "
-    "else 'You are a helpful assistant.' -%}"
-    "<|im_start|>system\n{{ sys }}"
-    "{%- if tools %}\n\nYou may call functions to answer. The functions are inside "
-    "<tools></tools>:\n<tools>\n{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}\n"
-    "</tools>\nTo call one, answer with a JSON object of the function's name and "
-    'arguments inside <tool_call></tool_call>:\n<tool_call>\n{"name": <function-name>, '
-    '"arguments": <arguments-object>}\n</tool_call>{%- endif %}<|im_end|>\n'
-    "{%- for m in messages %}{%- if not (loop.first and m['role'] == 'system') %}"
-    "{%- if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n"
-    "</tool_response><|im_end|>\n"
-    "{%- elif m['role'] == 'assistant' and m.get('tool_calls') %}<|im_start|>assistant\n"
-    "{%- if m['content'] %}{{ m['content'] }}\n{% endif %}"
-    "{%- for c in m['tool_calls'] %}{%- set f = c['function'] if c.get('function') else c %}"
-    '<tool_call>\n{"name": {{ f["name"] | tojson }}, "arguments": '
-    "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}}\n"
-    "</tool_call>{%- endfor %}<|im_end|>\n"
-    "{%- else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endif %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% set nl = '\\n' %}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set sys = messages[0]['content'] %}{% set rest = messages[1:] %}"
+    "{% else %}{% set sys = 'You are a helpful assistant.' %}{% set rest = messages %}"
+    "{% endif %}"
+    "<|im_start|>system{{ nl }}{{ sys }}"
+    "{% if tools %}{{ nl ~ nl }}You may call functions to answer. The functions are "
+    "inside <tools></tools>:{{ nl }}<tools>"
+    "{% for t in tools %}{{ nl }}{{ t | tojson }}{% endfor %}"
+    "{{ nl }}</tools>{{ nl }}To call one, answer with a JSON object of the function's "
+    "name and arguments inside <tool_call></tool_call>:{{ nl }}<tool_call>{{ nl }}"
+    '{"name": <function-name>, "arguments": <arguments-object>}{{ nl }}</tool_call>'
+    "{% endif %}<|im_end|>{{ nl }}"
+    "{% for m in rest %}"
+    "{% if m['role'] == 'tool' %}"
+    "<|im_start|>user{{ nl }}<tool_response>{{ nl }}{{ m['content'] }}{{ nl }}"
+    "</tool_response><|im_end|>{{ nl }}"
+    "{% elif m['role'] == 'assistant' and m.get('tool_calls') %}"
+    "<|im_start|>assistant{{ nl }}{% if m['content'] %}{{ m['content'] }}{{ nl }}{% endif %}"
+    "{% for c in m['tool_calls'] %}{% set f = c['function'] if c.get('function') else c %}"
+    "{% if not loop.first %}{{ nl }}{% endif %}"
+    '<tool_call>{{ nl }}{"name": {{ f["name"] | tojson }}, "arguments": '
+    "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}}"
+    "{{ nl }}</tool_call>{% endfor %}<|im_end|>{{ nl }}"
+    "{% else %}<|im_start|>{{ m['role'] }}{{ nl }}{{ m['content'] }}<|im_end|>{{ nl }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{{ nl }}{% endif %}"
 )
 
 
@@ -88,6 +97,18 @@ def tool_choice_constraint(tools: Tools, tool_choice: Any) -> StructuredOutputsP
     return StructuredOutputsParams(json=schema)
 
 
+def tools_and_constraint(
+    tools: Any, tool_choice: Any
+) -> tuple[Tools | None, StructuredOutputsParams | None]:
+    """(the tools the chat template renders: None without tools or with tool_choice
+    'none'; the constraint a forced call puts on the answer), `tools` checked."""
+    if tools is None:
+        return None, None
+    tools = check_tools(tools)
+    constraint = tool_choice_constraint(tools, tool_choice)
+    return (None if tool_choice == "none" else tools), constraint
+
+
 def with_tool_choice(
     params: SamplingParams | None, constraint: StructuredOutputsParams | None
 ) -> SamplingParams | None:
@@ -130,14 +151,24 @@ def template_uses_tools(tokenizer: Any) -> bool:
     return _USES_TOOLS[template]
 
 
+def has_tool_turns(messages: list[dict[str, Any]]) -> bool:
+    """Whether the conversation holds a tool result or an assistant turn with calls."""
+    return any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+
+
 def tools_template_kwargs(
-    tokenizer: Any, tools: Tools | None, chat_template_kwargs: dict[str, Any] | None
+    tokenizer: Any,
+    tools: Tools | None,
+    messages: list[dict[str, Any]],
+    chat_template_kwargs: dict[str, Any] | None,
 ) -> dict[str, Any] | None:
-    """The template arguments that render `tools`: the tokenizer's template if it
-    handles them, else the Hermes fallback."""
-    if tools is None:
+    """The template arguments that render `tools` and the conversation's tool turns:
+    the tokenizer's template if it handles them, else the Hermes fallback."""
+    if tools is None and not has_tool_turns(messages):
         return chat_template_kwargs
-    kwargs = {**(chat_template_kwargs or {}), "tools": tools}
+    kwargs = dict(chat_template_kwargs or {})
+    if tools is not None:
+        kwargs["tools"] = tools
     if "chat_template" not in kwargs and not template_uses_tools(tokenizer):
         kwargs["chat_template"] = HERMES_TEMPLATE
     return kwargs

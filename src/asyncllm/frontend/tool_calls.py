@@ -82,3 +82,47 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
         if found:
             return "", found
     return text, []
+
+
+_MARK = "<tool_call>"
+
+
+class ToolCallStream:
+    """Splits a streamed answer into content that can be sent as it comes and the calls
+    at its end: text that may begin a call (a `<tool_call>` block, or an answer that
+    opens with `{` or `[`, plain JSON) is held back until the answer ends, then parsed;
+    what turns out not to be a call is sent as content then."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._sent = 0  # how much of text went out as content
+        self._holding = False  # from _sent on, everything waits for the end
+
+    def feed(self, delta: str) -> str:
+        """The content of `delta` that can go out now."""
+        self.text += delta
+        if self._holding:
+            return ""
+        if not self.text.strip():
+            return ""  # (leading blanks wait: a JSON call may follow)
+        if self._sent == 0 and self.text.lstrip()[0] in "{[":
+            self._holding = True
+            return ""
+        mark = self.text.find(_MARK, self._sent)
+        if mark >= 0:
+            self._holding = True
+            end = mark
+        else:  # a tail that may be the start of the marker waits
+            end = len(self.text)
+            for k in range(min(len(_MARK) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(_MARK[:k]):
+                    end -= k
+                    break
+        out, self._sent = self.text[self._sent : end], max(self._sent, end)
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(the content not yet sent, the calls) once the answer has ended."""
+        rest = self.text[self._sent :]
+        self._sent = len(self.text)
+        return parse_tool_calls(rest)

@@ -33,7 +33,8 @@ def grammar_key(so: StructuredOutputsParams) -> GrammarKey:
     """What identifies the compiled grammar: equal keys share one compilation."""
     ws = not so.disable_any_whitespace
     if so.json is not None:
-        text = so.json if isinstance(so.json, str) else json.dumps(so.json, sort_keys=True)
+        # (not sorted: the properties' order is the order they are generated in)
+        text = so.json if isinstance(so.json, str) else json.dumps(so.json)
         return ("json", text, ws)
     if so.regex is not None:
         return ("regex", so.regex, False)

@@ -30,11 +30,14 @@ from asyncllm.entrypoints.openai.protocol import (
     OpenAIError,
     Options,
     chat_messages,
+    chat_tools,
     completion_prompts,
     sampling_params,
 )
 from asyncllm.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
-from asyncllm.outputs import RequestOutput
+from asyncllm.frontend.chat_tools import with_tool_choice
+from asyncllm.frontend.tool_calls import ToolCallStream, parse_tool_calls
+from asyncllm.outputs import RequestOutput, ToolCall
 from asyncllm.sampling_params import SamplingParams
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -129,10 +132,17 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         body = await self._body(request)
         params, opts = sampling_params(body, chat=True)
+        tools, opts.tool_choice, constraint = chat_tools(body)
+        try:
+            params = with_tool_choice(params, constraint) or params
+        except ValueError as e:
+            raise OpenAIError(str(e), param="tool_choice") from None
+        if tools is None:
+            opts.tool_choice = None  # (no tools rendered: the answer is only content)
         messages = chat_messages(body)
         kwargs = body.get("chat_template_kwargs")
         try:
-            prompt = await self.llm.render_chat(messages, chat_template_kwargs=kwargs)
+            prompt = await self.llm.render_chat(messages, chat_template_kwargs=kwargs, tools=tools)
         except (ValueError, TypeError) as e:
             raise OpenAIError(str(e), param="messages") from None
         return await self._serve([prompt], params, opts, chat=True, prefix="chatcmpl")
@@ -162,10 +172,15 @@ class OpenAIServer:
             for c in sorted(out.outputs, key=lambda c: c.index):
                 completion_tokens += len(c.token_ids)
                 reason = R.finish_reason(c)
+                calls: list[ToolCall] = []
+                content = c.text
+                if chat and opts.tool_choice is not None:
+                    content, calls = parse_tool_calls(c.text)
+                    reason = R.tool_finish_reason(reason, calls, opts.tool_choice)
                 self.finished[reason or "abort"] += 1
                 choice: dict[str, Any] = {"index": i * n + c.index, "finish_reason": reason}
                 if chat:
-                    choice["message"] = {"role": "assistant", "content": c.text}
+                    choice["message"] = R.assistant_message(content, calls)
                     choice["logprobs"] = (
                         R.chat_logprobs(tok, c, opts.logprobs or 0)
                         if opts.logprobs is not None
@@ -201,6 +216,7 @@ class OpenAIServer:
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
         sent_role: set[int] = set()
+        splitters: dict[int, ToolCallStream] = {}  # with tools: each choice's answer
         offsets: Counter[int] = Counter()
         tokens: Counter[int] = Counter()
         prompt_tokens = sum(len(f.prompt_token_ids) for f in firsts)
@@ -210,11 +226,22 @@ class OpenAIServer:
                 index = i * n + c.index
                 tokens[index] += len(c.token_ids)
                 reason = R.finish_reason(c)
+                content = c.text
+                calls: list[ToolCall] = []
+                if chat and opts.tool_choice is not None:
+                    splitter = splitters.setdefault(index, ToolCallStream())
+                    content = splitter.feed(c.text)
+                    if reason is not None:
+                        rest, calls = splitter.finish()
+                        content += rest
+                        reason = R.tool_finish_reason(reason, calls, opts.tool_choice)
                 if reason is not None:
                     self.finished[reason] += 1
                 choice: dict[str, Any] = {"index": index, "finish_reason": reason}
                 if chat:
-                    delta: dict[str, Any] = {"content": c.text}
+                    delta: dict[str, Any] = {"content": content or (None if calls else "")}
+                    if calls:
+                        delta["tool_calls"] = [R.tool_call(call, k) for k, call in enumerate(calls)]
                     if index not in sent_role:
                         sent_role.add(index)
                         delta = {"role": "assistant", **delta}

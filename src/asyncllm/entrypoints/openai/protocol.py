@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from asyncllm.sampling_params import RequestOutputKind, SamplingParams
+from asyncllm.frontend.chat_tools import Tools, tools_and_constraint
+from asyncllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 class OpenAIError(Exception):
@@ -100,6 +101,56 @@ class Options:
     stream: bool
     include_usage: bool
     logprobs: int | None  # top-n per position (0: the sampled token only), None: none
+    tool_choice: Any = None  # chat with tools rendered: 'auto', 'required' or a function
+
+
+_STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+
+
+def structured_outputs(body: dict[str, Any]) -> StructuredOutputsParams | None:
+    """`response_format` ({"type": "text" | "json_object" | "json_schema", "json_schema":
+    {"name", "schema", "strict"}}) or vLLM's `structured_outputs` ({"json" | "regex" |
+    "choice" | "grammar" | "json_object": ...}): at most one of them."""
+    fmt, vllm = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and vllm is not None:
+        raise _bad("response_format", "give response_format or structured_outputs, not both")
+    if vllm is not None:
+        if not isinstance(vllm, dict):
+            raise _bad("structured_outputs", "must be an object")
+        unknown = sorted(set(vllm) - set(_STRUCTURED_FIELDS))
+        if unknown:
+            raise _bad("structured_outputs", f"unknown field(s): {', '.join(unknown)}")
+        return StructuredOutputsParams(**vllm)
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise _bad("response_format", "json_schema.schema must be a JSON schema object")
+        return StructuredOutputsParams(json=schema)
+    raise _bad("response_format", "type must be 'text', 'json_object' or 'json_schema'")
+
+
+def chat_tools(body: dict[str, Any]) -> tuple[Tools | None, Any, StructuredOutputsParams | None]:
+    """`tools` and `tool_choice` (default 'auto' with tools, 'none' without): (the tools
+    the template renders, the choice, the constraint of a forced call)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice is None:
+        choice = "auto" if tools is not None else "none"
+    if tools is None and choice != "none":
+        raise _bad("tool_choice", "needs tools")
+    try:
+        rendered, constraint = tools_and_constraint(tools, choice)
+    except (ValueError, TypeError) as e:
+        param = "tools" if str(e).startswith("tools") else "tool_choice"
+        raise OpenAIError(str(e), param=param) from None
+    return rendered, choice, constraint
 
 
 def sampling_params(body: dict[str, Any], chat: bool) -> tuple[SamplingParams, Options]:
@@ -159,6 +210,13 @@ def sampling_params(body: dict[str, Any], chat: bool) -> tuple[SamplingParams, O
         )
     except (ValueError, TypeError) as e:
         raise OpenAIError(str(e), param=_named_field(str(e))) from None
+    try:
+        constraint = structured_outputs(body)
+        if constraint is not None:
+            params = params.clone(structured_outputs=constraint)
+    except (ValueError, TypeError) as e:
+        field = "structured_outputs" if "structured_outputs" in body else "response_format"
+        raise OpenAIError(f"{field}: {e}", param=field) from None
     return params, Options(stream, include_usage, logprobs)
 
 

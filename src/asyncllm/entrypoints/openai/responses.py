@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncllm.outputs import CompletionOutput, PositionLogprobs
+from asyncllm.outputs import CompletionOutput, PositionLogprobs, ToolCall
 
 
 def _token_text(tokenizer: Any, token_id: int, lp: Any) -> str:
@@ -68,6 +68,30 @@ def finish_reason(c: CompletionOutput) -> str | None:
     return (
         None if c.finish_reason is None else ("length" if c.finish_reason == "length" else "stop")
     )
+
+
+def tool_finish_reason(reason: str | None, calls: list[ToolCall], tool_choice: Any) -> str | None:
+    """As vLLM: 'tool_calls' when calls were parsed under tool_choice 'auto', or an
+    answer forced by 'required' ended by itself; a named function's call ends 'stop'."""
+    if (calls and tool_choice == "auto") or (tool_choice == "required" and reason == "stop"):
+        return "tool_calls"
+    return reason
+
+
+def tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """One call as the API gives it (in a stream's delta, with its `index`)."""
+    out: dict[str, Any] = {} if index is None else {"index": index}
+    out.update(
+        id=call.id, type=call.type, function={"name": call.name, "arguments": call.arguments}
+    )
+    return out
+
+
+def assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+    if calls:
+        message["tool_calls"] = [tool_call(c) for c in calls]
+    return message
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
