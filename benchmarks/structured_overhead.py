@@ -3,9 +3,12 @@
 and applying it to the logits (asyncllm.sample.ops.apply_token_bitmask; in the model
 runner), at batch 1 and 32, the embedded SmolLM2's vocabulary, a JSON schema, matchers
 advanced along a valid output (the sample text where the grammar allows it) so the
-masks are those of real steps.
+masks are those of real steps. "fill" is the engine's (`StructuredOutputManager.
+fill_bitmask`: row after row); "one call" fills every row in one call to xgrammar's
+BatchGrammarMatcher with one thread, "threads" with its default thread count; "accept"
+is every matcher accepting its next token (in the scheduler's update).
 
-    python benchmarks/structured_overhead.py [--batch 1 32] [--steps 64]
+    python benchmarks/structured_overhead.py [--batch 1 32] [--steps 64] [--model DIR]
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 
 import torch
 
+from asyncllm.bench.common import ARRAY_SCHEMA
 from asyncllm.config import EngineArgs
 from asyncllm.engine.arg_utils import create_engine_config
 from asyncllm.sample.ops import apply_token_bitmask
@@ -34,41 +38,58 @@ SCHEMA = {
     "additionalProperties": False,
 }
 TEXT = '{"name": "Ada Lovelace", "tags": ["math", "poetry"], "age": 36}'
+# --schema array: the H200 benchmarks' constraint (an array of 64 short strings)
+ARRAY_TEXT = json.dumps(
+    ["alpha", "beta gamma", "delta", "epsilon zeta"] * 16, separators=(",", ":")
+)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--model", help="a model folder with its tokenizer (default: SmolLM2)")
+    ap.add_argument("--schema", choices=("object", "array"), default="object")
     args = ap.parse_args()
-    config = create_engine_config(EngineArgs(device="cpu"))
+    schema, text = (SCHEMA, TEXT) if args.schema == "object" else (ARRAY_SCHEMA, ARRAY_TEXT)
+    config = create_engine_config(EngineArgs(model=args.model, device="cpu", load_format="dummy"))
     vocab = int(config.model.hf_config.vocab_size)
     manager = StructuredOutputManager(config.model.tokenizer, vocab)
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(config.model.tokenizer)(TEXT).input_ids
+    ids = AutoTokenizer.from_pretrained(config.model.tokenizer)(text).input_ids
     t0 = time.perf_counter()
-    first = manager.request(StructuredOutputsParams(json=SCHEMA))
+    first = manager.request(StructuredOutputsParams(json=schema))
     first.future.result()
     compile_s = time.perf_counter() - t0
     print(f"vocabulary {vocab}; first compilation (tokenizer info included) {compile_s:.2f} s")
-    print(f"{'batch':>5} {'fill µs':>9} {'apply µs':>9} {'fill µs/row':>12}")
+    print(
+        f"{'batch':>5} {'fill µs':>9} {'one call µs':>12} {'threads µs':>11} {'apply µs':>9} "
+        f"{'accept µs':>10} {'fill µs/row':>12}"
+    )
+    import xgrammar
+
+    one_call, threaded = xgrammar.BatchGrammarMatcher(1), xgrammar.BatchGrammarMatcher()
     rows = []
     for batch in args.batch:
-        reqs = [manager.request(StructuredOutputsParams(json=SCHEMA)) for _ in range(batch)]
+        reqs = [manager.request(StructuredOutputsParams(json=schema)) for _ in range(batch)]
         for r in reqs:
             r.future.result()
             r.ready()
-        fills, applies = [], []
+        fills, one_calls, threaded_fills, applies, accepts = [], [], [], [], []
         logits = torch.randn(batch, vocab)
         idx = torch.arange(batch)
         for step in range(args.steps):
             if reqs[0].matcher.is_terminated():
                 break
             bitmask = manager.allocate_bitmask(batch)
+            matchers = [r.matcher for r in reqs]
+            for batcher, times in ((one_call, one_calls), (threaded, threaded_fills)):
+                t0 = time.perf_counter()
+                batcher.batch_fill_next_token_bitmask(matchers, bitmask)
+                times.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            for i, r in enumerate(reqs):
-                r.fill(bitmask, i)
+            manager.fill_bitmask(bitmask, list(enumerate(reqs)))
             fills.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             apply_token_bitmask(logits, idx, bitmask)
@@ -79,12 +100,28 @@ def main() -> None:
             if not allowed:
                 break
             token = ids[step] if step < len(ids) and ids[step] in allowed else allowed[0]
+            t0 = time.perf_counter()
             for r in reqs:
                 assert r.accept(token)
+            accepts.append(time.perf_counter() - t0)
         print(f"  ({len(fills)} steps)")
         fill, apply = statistics.median(fills) * 1e6, statistics.median(applies) * 1e6
-        rows.append({"batch": batch, "fill_us": fill, "apply_us": apply})
-        print(f"{batch:>5} {fill:>9.1f} {apply:>9.1f} {fill / batch:>12.1f}")
+        one, many = statistics.median(one_calls) * 1e6, statistics.median(threaded_fills) * 1e6
+        accept = statistics.median(accepts) * 1e6
+        rows.append(
+            {
+                "batch": batch,
+                "fill_us": fill,
+                "one_call_us": one,
+                "threads_us": many,
+                "apply_us": apply,
+                "accept_us": accept,
+            }
+        )
+        print(
+            f"{batch:>5} {fill:>9.1f} {one:>12.1f} {many:>11.1f} {apply:>9.1f} "
+            f"{accept:>10.1f} {fill / batch:>12.1f}"
+        )
     manager.shutdown()
     print(json.dumps({"benchmark": "structured_overhead", "vocab": vocab, "rows": rows}))
 

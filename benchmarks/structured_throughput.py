@@ -18,14 +18,7 @@ import json
 import time
 
 from asyncllm import LLM, SamplingParams, StructuredOutputsParams
-from asyncllm.bench.common import add_engine_args, engine_kwargs
-
-SCHEMA = {
-    "type": "array",
-    "items": {"type": "string", "maxLength": 16},
-    "minItems": 64,
-    "maxItems": 64,
-}
+from asyncllm.bench.common import ARRAY_SCHEMA, add_engine_args, engine_kwargs
 
 
 def run(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[int, float]:
@@ -48,7 +41,7 @@ def main() -> None:
     constrained = SamplingParams(
         temperature=0.0,
         max_tokens=args.max_tokens,
-        structured_outputs=StructuredOutputsParams(json=SCHEMA),
+        structured_outputs=StructuredOutputsParams(json=ARRAY_SCHEMA),
     )
     rows = []
     try:

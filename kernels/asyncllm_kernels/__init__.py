@@ -3,6 +3,7 @@
 elementwise.py      reshape_and_cache (KV cache write), rms_norm (fused residual), silu_and_mul
 rotary.py           rotary embedding on q and k in place (NeoX and GPT-J layouts)
 paged_attention.py  paged attention over a flat batch of prefill chunks and decodes
+bitmask.py          apply_token_bitmask_ (grammar masks on the logits, one launch)
 reference.py        the plain-torch reference of each (`*_ref`): imports torch only, not Triton
 
 Tests run the kernels under Triton's interpreter on the CPU (tests/kernels) and natively

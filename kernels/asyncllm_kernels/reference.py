@@ -104,3 +104,17 @@ def paged_attention_ref(
         scores = scores.masked_fill(~mask, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out
+
+
+def apply_token_bitmask_ref(
+    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+) -> None:
+    """Masks, in place, the tokens row `rows[i]` of `logits` may not take: `bitmask[i]`
+    packs one bit per token (int32 words, token t is bit t % 32 of word t // 32; set:
+    allowed). Tokens past the bitmask's width are masked."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+    if allowed.shape[1] < vocab:
+        allowed = F.pad(allowed, (0, vocab - allowed.shape[1]))
+    logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab], float("-inf"))

@@ -92,9 +92,11 @@ def test_step_profile(capsys, engine_flags, tmp_path):
     assert [r["batch"] for r in result["rows"]] == [1, 3]
     for r in result["rows"]:
         stages = [r[s] for s in step_profile.STAGES]
-        # The core's steps, as its process runs them: the frontend is another process's.
-        assert r["frontend"] == 0 and all(
-            r[s] > 0 for s in step_profile.STAGES if s != "frontend"
+        # The core's steps, as its process runs them: the frontend is another process's;
+        # no grammar masks without --structured.
+        idle = ("frontend", "fill", "mask")
+        assert all(r[s] == 0 for s in idle) and all(
+            r[s] > 0 for s in step_profile.STAGES if s not in idle
         ), r
         assert r["step"] == pytest.approx(sum(stages) + r["other"])
         assert r["gpu"] is None and r["graphs"] is False  # (the CPU: no kernels, no graphs)

@@ -24,17 +24,19 @@ def _run(engine, params):
     return outs
 
 
+GREEDY40 = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def final_texts(llm) -> list[str]:
+    """LLM.generate's texts for PROMPTS (one run for every kind)."""
+    outs = llm.generate([{"prompt": p} for p in PROMPTS], GREEDY40, use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
 @pytest.mark.parametrize("kind", list(RequestOutputKind))
-def test_output_kinds(llm, kind):
-    params = SamplingParams(temperature=0.0, max_tokens=40, output_kind=kind, ignore_eos=True)
-    final = {
-        o.request_id: o
-        for o in llm.generate(
-            [{"prompt": p} for p in PROMPTS],
-            params.clone(output_kind=RequestOutputKind.FINAL_ONLY),
-            use_tqdm=False,
-        )
-    }
+def test_output_kinds(llm, final_texts, kind):
+    params = GREEDY40.clone(output_kind=kind)
     outs = _run(llm.engine, params)
     tok = llm.get_tokenizer()
     for i, stream in enumerate(sorted(outs.values(), key=lambda s: s[0].request_id)):
@@ -60,7 +62,7 @@ def test_output_kinds(llm, kind):
             assert len(stream) > 1
             assert "".join(o.outputs[0].text for o in stream) == want_text
             assert sum(len(o.outputs[0].token_ids) for o in stream) == 40
-        assert want_text == list(final.values())[i].outputs[0].text
+        assert want_text == final_texts[i]
 
 
 def test_abort_ends_a_stream_and_frees_its_blocks(llm):

@@ -102,6 +102,16 @@ def _all_kinds() -> list[SamplingParams]:
     return params
 
 
+def check_all_kinds(texts: list[str]) -> None:
+    """Each text of `_all_kinds()`'s requests holds its constraint."""
+    for text, schema in zip(texts, SCHEMAS):
+        _check_json(text, schema)
+    for text, regex in zip(texts[len(SCHEMAS) :], REGEXES):
+        assert re.fullmatch(regex, text), (regex, text)
+    assert texts[-3] in CHOICES
+    assert re.fullmatch(r"The answer is [0-9]\.", texts[-2])
+
+
 def _idle(llm: LLM) -> None:
     stats = llm.engine.get_stats()
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
@@ -111,13 +121,7 @@ def _idle(llm: LLM) -> None:
 def test_twenty_schemas_ten_regexes_a_choice_and_a_grammar(engine):
     params = _all_kinds()
     outs = engine.generate([PROMPT] * len(params), params, use_tqdm=False)
-    texts = [o.outputs[0].text for o in outs]
-    for text, schema in zip(texts, SCHEMAS):
-        _check_json(text, schema)
-    for text, regex in zip(texts[len(SCHEMAS) :], REGEXES):
-        assert re.fullmatch(regex, text), (regex, text)
-    assert texts[-3] in CHOICES
-    assert re.fullmatch(r"The answer is [0-9]\.", texts[-2])
+    check_all_kinds([o.outputs[0].text for o in outs])
     assert all(o.outputs[0].finish_reason == "stop" for o in outs[:-1])
     GREEDY[_async(engine)] = [o.outputs[0].token_ids for o in outs]
     _idle(engine)

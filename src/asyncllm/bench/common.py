@@ -27,6 +27,15 @@ MAX_TOKEN_ID = 10000
 # sum(max_tokens) of that workload: every run of it must produce exactly this many tokens.
 DEFAULT_WORKLOAD_OUTPUT_TOKENS = 133_966
 
+# The constrained workload (structured_throughput, step_profile --structured): a JSON
+# array of 64 short strings, long enough that max_tokens ends most requests first.
+ARRAY_SCHEMA = {
+    "type": "array",
+    "items": {"type": "string", "maxLength": 16},
+    "minItems": 64,
+    "maxItems": 64,
+}
+
 # (flag, EngineArgs field, type, help); every default is None: "not set".
 _ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
     (

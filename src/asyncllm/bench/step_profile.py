@@ -10,7 +10,13 @@ stages are wall times of the engine's own functions (wrapped, not changed):
 - sample: queuing the sampling and the copy of the tokens to the host
 - wait: waiting for a step's tokens and applying them to the persistent batch
   (`StepResult.apply`); with async scheduling the step waited for is the previous one
-- update: the scheduler taking the step's tokens (`update_from_output`)
+- update: the scheduler taking the step's tokens (`update_from_output`; with
+  `--structured`, each constrained request's matcher accepting its token)
+- fill: with `--structured`, filling a step's grammar bitmask once the tokens before it
+  are known (`Scheduler.fill_grammar_bitmask`; a bitmask filled at scheduling time
+  counts in "schedule")
+- mask: with `--structured`, the runner masking the logits with the bitmask
+  (`_apply_grammar_bitmask`: the copy to the device and the masking kernels' launch)
 - encode: serializing the step's outputs for the wire (`Encoder.encode`), as the
   engine-core process does before sending them to the frontend's process
 - other: the rest of `EngineCore.step` (the core's bookkeeping, output objects)
@@ -26,7 +32,9 @@ The stages are timed without a profiler; a second run of as many steps under
 the sum of the step's kernel times, and the kernels that take most of it; the device's
 idle time between consecutive steps and in all (`device_gaps`); and `replay`, one replay
 of the step's decode graph alone between CUDA events (launch gaps included). `--cprofile FILE` writes Python-level
-stats of the timed steps, `--trace-dir DIR` each batch's Chrome trace.
+stats of the timed steps, `--trace-dir DIR` each batch's Chrome trace. `--structured`
+constrains every request with the benchmarks' JSON schema (an array of 64 short
+strings; it needs the tokenizer).
 
     python -m asyncllm.bench.step_profile --model benchmarks/configs/qwen3-0.6b \
         --load-format dummy --skip-tokenizer-init --dtype bfloat16 --batch 1 256
@@ -49,10 +57,21 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from asyncllm.bench.common import add_engine_args, engine_kwargs
+from asyncllm.bench.common import ARRAY_SCHEMA, add_engine_args, engine_kwargs
 
 STEP_MARK = "asyncllm.step"
-STAGES = ("schedule", "prepare", "forward", "sample", "wait", "update", "encode", "frontend")
+STAGES = (
+    "schedule",
+    "prepare",
+    "forward",
+    "fill",
+    "mask",
+    "sample",
+    "wait",
+    "update",
+    "encode",
+    "frontend",
+)
 
 
 def _wrap(obj: Any, name: str, stage: str, times: dict[str, float]) -> Callable[[], None]:
@@ -156,10 +175,11 @@ def profile_batch(
     cprofile: Any = None,
     trace_dir: str | None = None,
     inline_frontend: bool = False,
+    structured: bool = False,
 ) -> dict[str, Any]:
     import torch
 
-    from asyncllm import SamplingParams
+    from asyncllm import SamplingParams, StructuredOutputsParams
     from asyncllm.engine.serial import Encoder
     from asyncllm.worker.model_runner import StepResult
 
@@ -167,7 +187,13 @@ def profile_batch(
     core = engine.client.core
     runner = core.executor.worker.runner
     rng = random.Random(seed)
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + 16)
+    constraint = StructuredOutputsParams(json=ARRAY_SCHEMA) if structured else None
+    params = SamplingParams(
+        temperature=0.0,
+        ignore_eos=True,
+        max_tokens=steps + 16,
+        structured_outputs=constraint,
+    )
     for _ in range(batch):
         prompt = [rng.randint(0, 4000) for _ in range(input_len)]
         engine.add_request(engine.next_request_id(), {"prompt_token_ids": prompt}, params)
@@ -180,6 +206,8 @@ def profile_batch(
     times: dict[str, float] = defaultdict(float)
     _wrap(core.scheduler, "schedule", "schedule", times)
     _wrap(core.scheduler, "update_from_output", "update", times)
+    _wrap(core.scheduler, "fill_grammar_bitmask", "fill", times)
+    _wrap(runner, "_apply_grammar_bitmask", "mask", times)
     _wrap(runner, "_update_states", "prepare", times)
     _wrap(runner, "_prepare_inputs", "prepare", times)
     _wrap(runner, "_run_model", "forward", times)
@@ -263,6 +291,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="time LLMEngine.step (the frontend on the core's thread) instead of the core's",
     )
+    parser.add_argument(
+        "--structured",
+        action="store_true",
+        help="constrain every request with a JSON schema (an array of 64 short strings)",
+    )
     args = parser.parse_args(argv)
     from asyncllm import LLM
 
@@ -286,6 +319,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 prof,
                 args.trace_dir,
                 args.inline_frontend,
+                args.structured,
             )
             for b in args.batch
         ]

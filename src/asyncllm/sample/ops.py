@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from asyncllm_kernels.reference import apply_token_bitmask_ref
+
 NEG_INF = float("-inf")
 
 
@@ -69,10 +71,11 @@ def bincount_rows(token_lists: list[list[int]], vocab: int, device: torch.device
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Masks, in place, the tokens row `rows[i]` of `logits` may not take: `bitmask[i]`
     packs one bit per token (int32 words, token t is bit t % 32 of word t // 32; set:
-    allowed). Tokens past the bitmask's width are masked."""
-    vocab = logits.shape[-1]
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab], NEG_INF)
+    allowed). Tokens past the bitmask's width are masked. On CUDA one Triton launch;
+    elsewhere the plain-torch reference."""
+    if logits.device.type == "cuda":
+        from asyncllm_kernels.bitmask import apply_token_bitmask_
+
+        apply_token_bitmask_(logits, rows, bitmask)
+    else:
+        apply_token_bitmask_ref(logits, rows, bitmask)

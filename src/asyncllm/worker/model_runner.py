@@ -51,6 +51,7 @@ from asyncllm.sampling_params import SamplingParams
 from asyncllm.step_io import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from asyncllm.worker.cuda_graph import DecodeGraphs
 from asyncllm.worker.input_batch import CachedRequestState, InputBatch
+from asyncllm.worker.mask_staging import MaskStaging
 from asyncllm.worker.sampling_state import SamplingState
 from asyncllm.worker.step_buffers import StepBuffers, padded_size
 
@@ -133,6 +134,7 @@ class ModelRunner:
         # Each persistent row's last sampled token, on the device (async scheduling).
         self.last_sampled = torch.zeros(sched.max_num_seqs, dtype=torch.int64, device=self.device)
         self._in_flight: deque[StepResult] = deque()  # launched, results not applied
+        self._mask_staging: MaskStaging | None = None  # (CUDA, at the first grammar mask)
 
     def load_model(self) -> None:
         self.model = load_model(self.config.model, self.backend)
@@ -638,7 +640,7 @@ class ModelRunner:
     ) -> None:
         """Masks the logits of the structured-output requests that sample this step with
         their rows of the scheduler's bitmask (on the device). Nothing here waits for
-        the device: the rows and masks go through pinned memory, without a sync."""
+        the device: on CUDA the rows and masks go through pinned buffers (MaskStaging)."""
         index = {rid: k for k, rid in enumerate(so.structured_req_ids)}
         logit_rows, mask_rows = [], []
         for k, i in enumerate(inputs.samples):
@@ -649,12 +651,16 @@ class ModelRunner:
         if not logit_rows:
             return
         masks = so.grammar_bitmask
-        if mask_rows != list(range(len(masks))):
-            masks = masks[mask_rows]
-        rows = torch.tensor(logit_rows, dtype=torch.int64)
+        in_order = mask_rows == list(range(len(mask_rows)))
         if self.device.type == "cuda":
-            rows = rows.pin_memory().to(self.device, non_blocking=True)
-            masks = masks.pin_memory().to(self.device, non_blocking=True)
+            if self._mask_staging is None:
+                self._mask_staging = MaskStaging(self.config.scheduler.max_num_seqs, self.device)
+            rows, masks = self._mask_staging.to_device(
+                masks, None if in_order else mask_rows, logit_rows
+            )
+        else:
+            rows = torch.tensor(logit_rows, dtype=torch.int64)
+            masks = masks[: len(mask_rows)] if in_order else masks[mask_rows]
         ops.apply_token_bitmask(logits, rows, masks)
 
     def _sample(
