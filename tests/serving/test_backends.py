@@ -90,6 +90,16 @@ def test_a_cancel_scope_aborts_the_request_and_engine_death_fails_the_streams(ba
             outs = [o async for o in llm.generate("again", SamplingParams(max_tokens=3))]
             assert len(outs[-1].outputs[0].token_ids) == 3  # the engine serves on
 
+            # A stream that was left (aclose) leaves its outputs queued in the socket;
+            # the next stream's consumer still runs between messages (under trio a
+            # handler that never checkpointed starved it until the request had ended).
+            for _ in range(4):
+                stream = llm.generate("Go on", params)
+                first = await stream.__anext__()
+                assert not first.finished and len(first.outputs[0].token_ids) < 1000
+                await stream.aclose()
+            await _wait_until_idle(llm)
+
             stream = llm.generate("Go on", params)
             await stream.__anext__()
             os.kill(llm.engine_core_pid, signal.SIGKILL)

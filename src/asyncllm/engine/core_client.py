@@ -392,7 +392,8 @@ class TrioMPClient(AsyncMPClient):
     descriptor trio waits on. That descriptor is edge-triggered: it signals once when
     messages arrive, however many, so the socket's own event flags are read before every
     wait and messages are taken while they say one is there (else a stream stalls with
-    messages queued). The handler runs in the caller's nursery, in its own cancel scope."""
+    messages queued), each after a checkpoint (else a busy socket starves the streams).
+    The handler runs in the caller's nursery, in its own cancel scope."""
 
     def __init__(self, args: EngineArgs) -> None:
         import trio
@@ -407,6 +408,9 @@ class TrioMPClient(AsyncMPClient):
 
     async def _recv_frames(self, timeout: float) -> list[Any] | None:
         with self._trio.move_on_after(timeout):
+            # (a checkpoint even when a message is there: trio switches tasks only at
+            # one, and the streams' consumers must run between messages)
+            await self._trio.lowlevel.checkpoint()
             while not self.output.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 await self._trio.lowlevel.wait_readable(self.output.getsockopt(zmq.FD))
             frames: list[Any] = self.output.recv_multipart(zmq.NOBLOCK)
