@@ -25,9 +25,12 @@ WireValue = str | int | float | bool | list[str] | None
 
 
 class EngineStartup(msgspec.Struct, kw_only=True):
-    """The engine arguments (EngineArgs fields as plain values), sent before anything."""
+    """The engine arguments (EngineArgs fields as plain values), sent before anything,
+    and the model's config as the host read it (HFConfig's fields; None: the core reads
+    it itself)."""
 
     engine_args: dict[str, WireValue]
+    hf_config: dict[str, Any] | None = None
 
 
 class EngineCoreRequest(msgspec.Struct, omit_defaults=True):

@@ -169,3 +169,45 @@ def test_failed_conversion_leaves_no_temporary_folder(tmp_path):
     with pytest.raises(Exception):  # noqa: B017 (the gguf reader's own error)
         gguf_convert.convert_gguf(bad, tmp_path / "cache")
     assert list((tmp_path / "cache" / "models").iterdir()) == []
+
+
+def test_the_core_builds_its_config_from_the_hosts_fields_without_transformers(tmp_path):
+    """The engine core's process gets the model's config as fields (EngineStartup's
+    hf_config) and never imports transformers for it; the fields give the model what
+    transformers' own config object gives."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    for arch in ("llama3", "mistral", "qwen2", "qwen3"):
+        folder = tmp_path / arch
+        make_tiny_model(arch, folder)
+        host = create_model_config(EngineArgs(model=str(folder), device="cpu"))
+        ref = AutoConfig.from_pretrained(str(folder))
+        for name in ("hidden_size", "num_key_value_heads", "rms_norm_eps", "rope_parameters",
+                     "tie_word_embeddings", "architectures", "head_dim", "vocab_size",
+                     "sliding_window", "layer_types", "attention_bias", "hidden_act"):  # fmt: skip
+            assert getattr(host.hf_config, name, None) == getattr(ref, name, None), (arch, name)
+    with pytest.raises(AttributeError, match="no field 'not_a_field'"):
+        _ = host.hf_config.not_a_field
+    code = (
+        "import json, sys\n"
+        "from asyncllm.config import EngineArgs\n"
+        "from asyncllm.engine.arg_utils import create_model_config\n"
+        "fields = json.loads(sys.stdin.read())\n"
+        f"mc = create_model_config(EngineArgs(model={str(folder)!r}, device='cpu'), fields)\n"
+        "print(mc.hf_config.hidden_size, 'transformers' in sys.modules)\n"
+    )
+    root = Path(__file__).parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        input=json.dumps(host.hf_config.to_dict()),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": f"{root / 'src'}:{root / 'kernels'}", "PATH": "/usr/bin:/bin"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(ref.hidden_size), "False"]

@@ -418,9 +418,11 @@ SCRIPT_HOLD = textwrap.dedent(
     """
     import sys, time
     from asyncllm.config import EngineArgs
+    from asyncllm.engine.arg_utils import create_engine_config
     from asyncllm.engine.core_client import SyncMPClient
 
-    client = SyncMPClient(None, EngineArgs(**{args!r}))
+    args = EngineArgs(**{args!r})
+    client = SyncMPClient(create_engine_config(args), args)
     print(client.process.pid, client.process.ipc_dir, flush=True)
     time.sleep(600)
     """

@@ -4,6 +4,9 @@ processors), kept out of the leaf `config` module."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from asyncllm.config import (
@@ -12,6 +15,7 @@ from asyncllm.config import (
     CacheConfig,
     EngineArgs,
     EngineConfig,
+    HFConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -63,17 +67,23 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
-def create_model_config(args: EngineArgs) -> ModelConfig:
-    """Resolves the model to a local folder (converting a GGUF once) and reads its config."""
+def read_hf_config(path: Path) -> HFConfig:
+    """The model folder's config.json as transformers reads it."""
     from transformers import AutoConfig  # imported when needed: it takes seconds
 
+    try:
+        return HFConfig(AutoConfig.from_pretrained(str(path)).to_dict())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model folder {str(path)!r} has no usable config.json: {e}") from e
+
+
+def create_model_config(args: EngineArgs, hf_fields: dict[str, Any] | None = None) -> ModelConfig:
+    """Resolves the model to a local folder (converting a GGUF once) and reads its config
+    (or takes its fields as the host read them: `hf_fields`)."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     path = resolve_model_path(args.model, revision=args.revision)
-    try:
-        hf_config = AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"model folder {str(path)!r} has no usable config.json: {e}") from e
+    hf_config = read_hf_config(path) if hf_fields is None else HFConfig(hf_fields)
     limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
     max_len = args.max_model_len or limit or 2048
     if limit and max_len > limit:
@@ -93,12 +103,13 @@ def create_model_config(args: EngineArgs) -> ModelConfig:
     )
 
 
-def create_engine_config(args: EngineArgs) -> EngineConfig:
+def create_engine_config(args: EngineArgs, hf_fields: dict[str, Any] | None = None) -> EngineConfig:
     """Everything the engine needs, checked: the model resolved, the logits processors
-    importable, the scheduler and cache settings filled in."""
+    importable, the scheduler and cache settings filled in. `hf_fields`: the model's
+    config as the host read it (the engine core's process gets it so)."""
     for path in args.logits_processors or []:
         load_logits_processor_class(path)  # fail here, with the path named
-    model = create_model_config(args)
+    model = create_model_config(args, hf_fields)
     if args.attention_backend == "triton" and model.device.type != "cuda":
         raise ValueError(f"attention_backend 'triton' needs a CUDA device, got {model.device}")
     seqs_default, batched_default = (

@@ -104,8 +104,9 @@ class _MPClientBase:
     outputs and its EngineDead vanish (seen in about 1 of 50 stops mid-stream). Unlimited,
     everything the core sent is read in before the connection ends."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, config: EngineConfig, args: EngineArgs) -> None:
         self.args = args
+        self.hf_fields = config.model.hf_config.to_dict()  # (the core reads no config.json)
         self.process = CoreProcess()
         self.zmq_ctx = zmq.Context()
         self.input = self.zmq_ctx.socket(zmq.PUSH)
@@ -139,7 +140,7 @@ class _MPClientBase:
         self._check_process()
         try:
             self.input.send_multipart(
-                self.encoder.encode(startup_message(self.args)),
+                self.encoder.encode(startup_message(self.args, self.hf_fields)),
                 flags=zmq.NOBLOCK,
             )
             return True
@@ -174,7 +175,7 @@ class SyncMPClient(_MPClientBase, EngineCoreClient):
     def __init__(
         self, config: EngineConfig, args: EngineArgs, ready_timeout: float = 600.0
     ) -> None:
-        super().__init__(args)
+        super().__init__(config, args)
         self.output = self.zmq_ctx.socket(zmq.PULL)
         self.output.setsockopt(zmq.LINGER, 0)
         self.output.setsockopt(zmq.RCVHWM, 0)  # never stop reading: see _MPClientBase
@@ -250,8 +251,8 @@ class AsyncMPClient(_MPClientBase):
     below is the same client under trio: it overrides only the loop-specific hooks
     (the output socket, sleeping, the clock, futures, the handler task)."""
 
-    def __init__(self, args: EngineArgs) -> None:
-        super().__init__(args)
+    def __init__(self, config: EngineConfig, args: EngineArgs) -> None:
+        super().__init__(config, args)
         self.output = self._output_socket()
         self.output.setsockopt(zmq.LINGER, 0)
         self.output.setsockopt(zmq.RCVHWM, 0)  # never stop reading: see _MPClientBase
@@ -395,13 +396,13 @@ class TrioMPClient(AsyncMPClient):
     messages queued), each after a checkpoint (else a busy socket starves the streams).
     The handler runs in the caller's nursery, in its own cancel scope."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, config: EngineConfig, args: EngineArgs) -> None:
         import trio
 
         self._trio = trio
         self._scope: Any = None  # the handler's cancel scope, and its end
         self._ended: Any = None
-        super().__init__(args)
+        super().__init__(config, args)
 
     def _output_socket(self) -> Any:
         return self.zmq_ctx.socket(zmq.PULL)

@@ -146,7 +146,7 @@ class EngineCoreProc:
         try:
             t0 = time.monotonic()
             engine_args: dict[str, Any] = dict(startup.engine_args)
-            config = create_engine_config(EngineArgs(**engine_args))
+            config = create_engine_config(EngineArgs(**engine_args), startup.hf_config)
             t1 = time.monotonic()
             core = self.core = EngineCore(config)
             stages = {"core: engine config": t1 - t0}

@@ -22,8 +22,9 @@ from asyncllm.messages import EngineStartup
 MAX_IPC_PATH = 107  # bytes in a unix socket path (sun_path)
 
 
-def startup_message(args: EngineArgs) -> EngineStartup:
-    """The engine arguments as plain values (dtypes and devices by name)."""
+def startup_message(args: EngineArgs, hf_config: dict[str, Any] | None = None) -> EngineStartup:
+    """The engine arguments as plain values (dtypes and devices by name), and the
+    model's config fields where the host has read them."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(args):
         v = getattr(args, f.name)
@@ -32,7 +33,7 @@ def startup_message(args: EngineArgs) -> EngineStartup:
         elif isinstance(v, torch.device):
             v = str(v)
         out[f.name] = v
-    return EngineStartup(engine_args=out)
+    return EngineStartup(engine_args=out, hf_config=hf_config)
 
 
 IPC_PREFIX = "allm-"  # the private socket folder's name starts so

@@ -95,7 +95,8 @@ class AsyncLLM:
         try:
             self.config, self.frontend = await aio.to_thread(create_host_side, self.args)
             try:
-                client = AsyncMPClient(self.args) if nursery is None else TrioMPClient(self.args)
+                cls = AsyncMPClient if nursery is None else TrioMPClient
+                client = cls(self.config, self.args)
                 await client.start()
             except EngineStartupError:
                 raise  # (the client's own: already says why)
