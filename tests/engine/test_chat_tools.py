@@ -12,38 +12,11 @@ import pytest
 
 from asyncllm import RequestOutputKind, SamplingParams
 from asyncllm.frontend.chat_tools import HERMES_TEMPLATE, template_uses_tools
+from tests.tool_defs import ASK, TOOLS
 
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
-CALC = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluates an arithmetic expression.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string", "maxLength": 24}},
-            "required": ["expression"],
-            "additionalProperties": False,
-        },
-    },
-}
-CLOCK = {
-    "type": "function",
-    "function": {
-        "name": "clock",
-        "description": "The current time in a time zone.",
-        "parameters": {
-            "type": "object",
-            "properties": {"timezone": {"enum": ["UTC", "Europe/Paris", "Asia/Tokyo"]}},
-            "required": ["timezone"],
-            "additionalProperties": False,
-        },
-    },
-}
-TOOLS = [CALC, CLOCK]
-ASK = [{"role": "user", "content": "What is 12 times 7? Use a tool."}]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
 
 

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.entrypoints.procs import children
+from tests.tool_defs import ASK, CALC, CLOCK
 
 openai = pytest.importorskip("openai")  # (the test extra; the GPU machine lacks it)
 parser = pytest.importorskip("prometheus_client.parser")
@@ -316,6 +317,12 @@ def test_api_key_then_sigterm_lets_a_stream_finish():
         assert rest[-1] == "data: [DONE]"
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) > 1
+        # More SIGTERMs while it shuts down (an impatient supervisor): still a clean
+        # exit, the engine shut down first.
+        deadline = time.monotonic() + 60
+        while s.proc.poll() is None and time.monotonic() < deadline:
+            s.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.01)  # (the next signal; the loop ends on the exit)
     finally:
         rc = s.stop()
     assert rc == 0 and len(engine) == 1
@@ -366,35 +373,6 @@ def test_logprobs(server):
     for t in content:
         assert [x.token for x in t.top_logprobs][0] == t.token
         assert t.bytes == list(t.token.encode())
-
-
-CALC = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluates an arithmetic expression.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string", "maxLength": 24}},
-            "required": ["expression"],
-            "additionalProperties": False,
-        },
-    },
-}
-CLOCK = {
-    "type": "function",
-    "function": {
-        "name": "clock",
-        "description": "The current time in a time zone.",
-        "parameters": {
-            "type": "object",
-            "properties": {"timezone": {"enum": ["UTC", "Europe/Paris", "Asia/Tokyo"]}},
-            "required": ["timezone"],
-            "additionalProperties": False,
-        },
-    },
-}
-ASK = [{"role": "user", "content": "What is 12 times 7? Use a tool."}]
 
 
 def _valid_call(call, tools=(CALC, CLOCK)):

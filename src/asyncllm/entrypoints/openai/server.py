@@ -2,7 +2,8 @@
 
 The engine starts before the port opens; SIGTERM or Ctrl-C stops accepting connections,
 lets streams in flight finish for up to `grace_period` seconds, then shuts the engine
-down. It binds to 127.0.0.1 unless told otherwise; port 0 takes a free port, and the
+down (a second Ctrl-C cuts the grace period short; signals that come once the engine is
+down are ignored while the process exits). It binds to 127.0.0.1 unless told otherwise; port 0 takes a free port, and the
 line `asyncllm: serving '<name>' on http://<host>:<port>` on stderr says which.
 """
 
@@ -18,6 +19,8 @@ from typing import Any
 
 from asyncllm import envs
 from asyncllm.config import EngineArgs
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)  # each: stop accepting, finish, shut down
 
 
 async def serve(
@@ -52,6 +55,12 @@ async def serve(
         await server.serve()
     finally:
         await llm.shutdown()
+        # The server captured the signals until now (see _server_class); with the
+        # engine down there is nothing left to stop: the exiting process ignores them.
+        loop = asyncio.get_running_loop()
+        for sig in SIGNALS:
+            if loop.remove_signal_handler(sig):
+                signal.signal(sig, signal.SIG_IGN)
 
 
 def _server_class(uvicorn: Any, name: str, host: str) -> type:
@@ -72,14 +81,12 @@ def _server_class(uvicorn: Any, name: str, host: str) -> type:
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
+            # Left in place when serving ends: `serve()` removes them once the engine
+            # is shut down, so that a signal repeated meanwhile cannot end the process
+            # with the engine still up.
             loop = asyncio.get_running_loop()
-            signals = (signal.SIGINT, signal.SIGTERM)
-            for sig in signals:
+            for sig in SIGNALS:
                 loop.add_signal_handler(sig, self.handle_exit, sig, None)
-            try:
-                yield
-            finally:
-                for sig in signals:
-                    loop.remove_signal_handler(sig)
+            yield
 
     return Server
