@@ -24,6 +24,10 @@ cp "$tmp"/*.whl .whl_a/
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp "${platforms[@]}" -d .whl_a xgrammar==0.2.9 apache-tvm-ffi \
     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection typing-extensions
+# (and the structured-output tests' validator)
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp "${platforms[@]}" -d .whl_a jsonschema jsonschema-specifications \
+    referencing rpds-py attrs
 size=$(stat -c %s "$tmp/smol.bin")
 half=$(( (size + 1) / 2 ))
 head -c "$half" "$tmp/smol.bin" > .whl_a/smol.part.aa

@@ -15,6 +15,8 @@ so a test or a host that sets a variable before starting an engine is heard.
 - `ASYNCLLM_PROGRESS`: `0` hides the progress bars of model conversion and weight
   loading (`asyncllm ... --quiet` sets it); by default they are drawn on stderr when it
   is a terminal (default `1`).
+- `ASYNCLLM_GRAMMAR_THREADS`: the threads xgrammar fills a step's grammar bitmask with
+  (default `1`: at 64 rows of a cheap grammar, more threads cost more than they save).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ VARIABLES = (
     "ASYNCLLM_GC_FREEZE",
     "ASYNCLLM_API_KEY",
     "ASYNCLLM_PROGRESS",
+    "ASYNCLLM_GRAMMAR_THREADS",
 )
 
 
@@ -67,3 +70,11 @@ def progress_enabled() -> bool:
 def hide_progress() -> None:
     """ASYNCLLM_PROGRESS=0 here and in the engine-core processes started from here."""
     os.environ["ASYNCLLM_PROGRESS"] = "0"
+
+
+def grammar_threads() -> int:
+    """xgrammar's threads for the bitmask fill ($ASYNCLLM_GRAMMAR_THREADS, default 1)."""
+    value = os.environ.get("ASYNCLLM_GRAMMAR_THREADS", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"ASYNCLLM_GRAMMAR_THREADS must be a positive int, got {value!r}")
+    return int(value)
