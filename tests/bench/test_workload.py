@@ -87,7 +87,10 @@ def test_parameter_count_matches_transformers(name):
 
 
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM"])
-def test_parameter_count_matches_our_loader(tmp_path, arch):
+def test_parameter_count_matches_our_loader(tmp_path, arch, monkeypatch):
+    monkeypatch.setenv(
+        "ASYNCLLM_CPU_PACKING", "0"
+    )  # (packed layers give up their parameters' storage)
     from asyncllm.config import EngineArgs
     from asyncllm.engine.arg_utils import create_model_config
     from asyncllm.model.attention.torch_native import TorchNativeBackend

@@ -68,7 +68,8 @@ def test_bin_fallback(tmp_path):
         _load(tmp_path, load_format="safetensors")
 
 
-def test_dummy_weights_need_only_the_config(tmp_path):
+def test_dummy_weights_need_only_the_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNCLLM_CPU_PACKING", "0")  # (the parameters keep their storage)
     make_tiny_model("llama3", tmp_path)
     (tmp_path / "model.safetensors").unlink()
     model = _load(tmp_path, load_format="dummy")
@@ -76,6 +77,20 @@ def test_dummy_weights_need_only_the_config(tmp_path):
         assert p.abs().max() <= DUMMY_WEIGHT_RANGE, name
         assert p.abs().max() > 0, name
     assert torch.isfinite(_logits(model)).all()
+
+
+def test_packed_layers_hold_one_copy_of_their_weights(tmp_path, monkeypatch):
+    from asyncllm.model.layers.linear import LinearBase, cpu_packing_available
+
+    if not cpu_packing_available():
+        pytest.skip("this torch has no oneDNN packed linear")
+    make_tiny_model("llama3", tmp_path)
+    packed = _load(tmp_path)
+    layers = [m for m in packed.modules() if isinstance(m, LinearBase)]
+    assert layers and all(m.packed_weight is not None and m.weight.numel() == 0 for m in layers)
+    monkeypatch.setenv("ASYNCLLM_CPU_PACKING", "0")
+    plain = _load(tmp_path)
+    torch.testing.assert_close(_logits(packed), _logits(plain), rtol=1e-4, atol=1e-4)
 
 
 def test_dtype_is_applied(tmp_path):

@@ -67,8 +67,11 @@ class LinearBase(nn.Module):
         self.packed_weight: torch.Tensor | None = None
 
     def pack_for_cpu(self) -> None:
-        """Called once the weights are loaded; the parameter stays as it was."""
+        """Called once the weights are loaded: the layer computes with the packed copy
+        from then on, and the parameter gives up its storage (keeping both held the
+        layer's weights twice). Its shape stays in `input_size` and `output_size`."""
         self.packed_weight = pack_weight(self.weight)
+        self.weight.data = self.weight.data.new_empty((0,))
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed_weight is not None:
