@@ -3,8 +3,9 @@
 The engine starts before the port opens; SIGTERM or Ctrl-C stops accepting connections,
 lets streams in flight finish for up to `grace_period` seconds, then shuts the engine
 down (a second Ctrl-C cuts the grace period short; signals that come once the engine is
-down are ignored while the process exits). It binds to 127.0.0.1 unless told otherwise; port 0 takes a free port, and the
-line `asyncllm: serving '<name>' on http://<host>:<port>` on stderr says which.
+down are ignored while the process exits). It binds to 127.0.0.1 unless told otherwise;
+port 0 takes a free port, and the line `asyncllm: serving '<name>' on
+http://<host>:<port>` on stderr says which.
 """
 
 from __future__ import annotations
