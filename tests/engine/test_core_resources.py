@@ -139,13 +139,14 @@ def test_bad_cpu_threads_are_named(value, error):
         EngineArgs(cpu_threads=value)
 
 
-def test_the_core_process_caps_onednn_s_primitive_cache_unless_told(monkeypatch):
-    from asyncllm.engine.host_launcher import ONEDNN_PRIMITIVE_CACHE_CAPACITY, _child_env
+@pytest.mark.parametrize("name", ["ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"])
+def test_the_core_process_caps_onednn_s_caches_unless_told(monkeypatch, name):
+    from asyncllm.engine.host_launcher import CPU_CACHE_CAPACITIES, child_env
 
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
-    assert _child_env()["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_PRIMITIVE_CACHE_CAPACITY)
-    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")
-    assert _child_env()["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"
+    monkeypatch.delenv(name, raising=False)
+    assert child_env()[name] == CPU_CACHE_CAPACITIES[name] == "16"
+    monkeypatch.setenv(name, "512")
+    assert child_env()[name] == "512"
 
 
 def test_trim_heap_gives_freed_memory_back_on_glibc():

@@ -5,14 +5,25 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def children(pid: int) -> list[int]:
-    """The pids whose parent is `pid`."""
+def running(pid: int, module: str) -> bool:
+    """Whether process `pid` runs `python -m <module>`."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return module.encode() in args
+
+
+def children(pid: int, module: str | None = None) -> list[int]:
+    """The pids whose parent is `pid` (those running `python -m <module>` only, if
+    given)."""
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
+        child = int(stat.parent.name)
+        if int(fields[1]) == pid and (module is None or running(child, module)):
+            out.append(child)
     return out

@@ -90,8 +90,10 @@ def test_chat_in_a_terminal():
     child = _spawn_chat("--max-tokens", "4")
     try:
         child.expect_exact("you> ")
-        engine = children(child.pid)
-        assert len(engine) == 1  # the engine core
+        engine = children(child.pid)  # the engine core and the tokenizer process
+        assert len(children(child.pid, "asyncllm.engine.core_main")) == 1
+        assert len(children(child.pid, "asyncllm.engine.tokenizer_process")) == 1
+        assert len(engine) == 2
         child.sendline("Hello")
         child.expect(r"assistant> (.+)\r\n")
         first = child.match.group(1)

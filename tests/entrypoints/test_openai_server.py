@@ -129,6 +129,10 @@ class Server:
             time.sleep(0.05)
 
     def core_pids(self) -> list[int]:
+        return children(self.proc.pid, "asyncllm.engine.core_main")
+
+    def engine_pids(self) -> list[int]:
+        """The core's and the tokenizer process's."""
         return children(self.proc.pid)
 
     def stop(self) -> int:
@@ -304,7 +308,8 @@ def test_api_key_then_sigterm_lets_a_stream_finish():
         assert err["code"] == "invalid_api_key"
         assert [m.id for m in s.client("sekrit").models.list().data] == [MODEL]
         assert get(s.url + "/health").status_code == 200
-        engine = s.core_pids()
+        engine = s.engine_pids()
+        assert len(engine) == 2
         conn, lines = stream_lines(
             s.url + "/v1/completions",
             {"model": MODEL, "prompt": "Go", "max_tokens": 200, "stream": True},
@@ -327,7 +332,7 @@ def test_api_key_then_sigterm_lets_a_stream_finish():
                 s.proc.wait(timeout=0.01)  # (waits for the exit; signals again if not yet)
     finally:
         rc = s.stop()
-    assert rc == 0 and len(engine) == 1
+    assert rc == 0 and len(engine) == 2
     assert not any(Path(f"/proc/{pid}").exists() for pid in engine)
 
 

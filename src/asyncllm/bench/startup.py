@@ -3,8 +3,9 @@ torch and the tokenizer libraries: imported there, before an application's loop 
 not in `start()`), then `AsyncLLM.start()` inside a running event loop, then one short
 request.
 
-Stages: the import; the host's engine config and its tokenizer, both run in a worker
-thread by `start()`; the engine-core
+Stages: the import; the host's engine config (in a worker thread of `start()`); the
+wait for the tokenizer process (spawned before the core, it loads the tokenizer while the
+core starts: the wait is what it takes beyond the core); the engine-core
 process, from spawn to ready, split into what the core reports (its engine config,
 loading the weights, the memory profile, the KV cache, CUDA graphs, the rest of
 `EngineCore()`) and the remainder (the process's start, its imports, the messages); then
@@ -33,6 +34,7 @@ from typing import Any
 from asyncllm import envs
 
 CHILD_FLAG = "--child"
+TOKENIZER_WAIT = "host: tokenizer process, waited for after the core"
 
 
 def _child(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -43,11 +45,11 @@ def _child(kwargs: dict[str, Any]) -> dict[str, Any]:
     from asyncllm import AsyncLLM, SamplingParams  # (as an application does, at its top)
     from asyncllm.bench.host import LoopLag
     from asyncllm.engine import llm_engine
-    from asyncllm.frontend.frontend import Frontend
+    from asyncllm.engine.tokenizer_process import ProcessTokenizer
 
     stages: dict[str, float] = {"from asyncllm import AsyncLLM": time.perf_counter() - t0}
     _time_calls(llm_engine, "create_engine_config", "host: engine config", stages)
-    _time_calls(Frontend, "create", "host: tokenizer and frontend", stages)
+    _time_calls(ProcessTokenizer, "wait_ready", TOKENIZER_WAIT, stages)
     lag = LoopLag()
 
     async def main() -> None:
@@ -58,7 +60,7 @@ def _child(kwargs: dict[str, Any]) -> dict[str, Any]:
             stages["AsyncLLM.start()"] = time.perf_counter() - t
         assert llm.client is not None and llm.client.info is not None
         core = dict(llm.client.info.startup_seconds)
-        host = stages["host: engine config"] + stages["host: tokenizer and frontend"]
+        host = stages["host: engine config"] + stages.get(TOKENIZER_WAIT, 0.0)
         ready = stages["AsyncLLM.start()"] - host
         stages.update(core)
         stages["core: process start, imports, messages"] = ready - sum(core.values())

@@ -83,10 +83,15 @@ def remove_private_ipc_dir(input_addr: str, output_addr: str) -> bool:
     return not os.path.lexists(folder)
 
 
-ONEDNN_PRIMITIVE_CACHE_CAPACITY = 16  # the core's default, unless the variable is set
+# The core's oneDNN caches, unless the variables are set. Both keep an entry per input
+# shape met (1,024 by default), and on the CPU, with prompts of every length, they grew
+# the core's memory wave after wave: oneDNN's primitive cache, and ideep's cache of the
+# packed linear layers' computations (LRU_CACHE_CAPACITY, the whole of the growth left
+# once the first was capped). 16 entries cost no measured speed (docs/benchmarks.md).
+CPU_CACHE_CAPACITIES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16"}
 
 
-def _child_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     """Our environment, with the folders asyncllm was imported from on PYTHONPATH, so a
     source checkout works without installing."""
     roots = [str(Path(__file__).resolve().parents[2])]  # .../<root>/asyncllm/engine/
@@ -94,9 +99,8 @@ def _child_env() -> dict[str, str]:
     if kernels is not None and kernels.origin is not None:
         roots.append(str(Path(kernels.origin).resolve().parents[1]))
     env = dict(os.environ)
-    # oneDNN caches a primitive per input shape it meets (1,024 by default); on the CPU,
-    # with prompts of every length, that cache was a steady share of the core's growth.
-    env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))
+    for name, value in CPU_CACHE_CAPACITIES.items():
+        env.setdefault(name, value)
     old = env.get("PYTHONPATH")
     env["PYTHONPATH"] = os.pathsep.join(roots + ([old] if old else []))
     return env
@@ -127,7 +131,7 @@ class CoreProcess:
                 self.output_addr,
             ],
             stdin=subprocess.PIPE,
-            env=_child_env(),
+            env=child_env(),
             close_fds=True,
         )
 

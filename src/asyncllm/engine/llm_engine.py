@@ -10,6 +10,7 @@ from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.arg_utils import create_engine_config
 from asyncllm.engine.core_client import EngineCoreClient, SyncMPClient
 from asyncllm.engine.heap import freeze_startup_objects, unfreeze_objects
+from asyncllm.engine.tokenizer_process import ProcessTokenizer
 from asyncllm.errors import EngineStartupError
 from asyncllm.frontend.frontend import Frontend
 from asyncllm.frontend.input_processor import PromptType
@@ -24,12 +25,34 @@ def startup_error(e: Exception) -> EngineStartupError:
 
 
 def create_host_side(args: EngineArgs) -> tuple[EngineConfig, Frontend]:
-    """The host's half of start-up, shared by LLM and AsyncLLM: the engine config (the
-    model resolved) and the frontend (the tokenizer loaded). Any failure raises
-    EngineStartupError with its cause chained."""
+    """The host's half of start-up for LLM: the engine config (the model resolved) and
+    the frontend (the tokenizer loaded). Any failure raises EngineStartupError with its
+    cause chained."""
     try:
         config = create_engine_config(args)
         return config, Frontend.create(config)
+    except Exception as e:
+        raise startup_error(e) from e
+
+
+def start_host_side(args: EngineArgs) -> tuple[EngineConfig, ProcessTokenizer | None]:
+    """AsyncLLM's half of it, in two steps so the tokenizer process loads while the
+    engine core starts: the engine config and the tokenizer process, spawned (None
+    with skip_tokenizer_init). `finish_host_side` then waits for it."""
+    try:
+        config = create_engine_config(args)
+        if config.skip_tokenizer_init:
+            return config, None
+        assert config.model.tokenizer is not None
+        return config, ProcessTokenizer(config.model.tokenizer)
+    except Exception as e:
+        raise startup_error(e) from e
+
+
+def finish_host_side(config: EngineConfig, tokenizer: ProcessTokenizer | None) -> Frontend:
+    """The frontend, once the tokenizer process is ready (blocks: off the loop)."""
+    try:
+        return Frontend(config, tokenizer.wait_ready() if tokenizer is not None else None)
     except Exception as e:
         raise startup_error(e) from e
 

@@ -35,7 +35,8 @@ from asyncllm.aio import AsyncioLoop, TrioLoop, running_loop
 from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.core_client import AsyncMPClient, TrioMPClient
 from asyncllm.engine.heap import freeze_startup_objects, unfreeze_objects
-from asyncllm.engine.llm_engine import create_host_side, startup_error
+from asyncllm.engine.llm_engine import finish_host_side, start_host_side, startup_error
+from asyncllm.engine.tokenizer_process import ProcessTokenizer
 from asyncllm.entrypoints.setup_batch import SetupThread
 from asyncllm.errors import EngineDeadError, EngineStartupError
 from asyncllm.frontend.chat import Messages
@@ -64,6 +65,7 @@ class AsyncLLM:
         self._dead: str | None = None
         self._closed = False
         self._setup: SetupThread | None = None  # tokenization, chat templates
+        self._tokenizer_process: ProcessTokenizer | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
@@ -92,8 +94,11 @@ class AsyncLLM:
             )
         self._aio = aio
         client: AsyncMPClient | None = None
+        tokenizer: ProcessTokenizer | None = None
         try:
-            self.config, self.frontend = await aio.to_thread(create_host_side, self.args)
+            # The tokenizer loads in its own process while the core starts (building it
+            # here would hold the GIL, and so the loop, 100-200 ms).
+            self.config, tokenizer = await aio.to_thread(start_host_side, self.args)
             try:
                 cls = AsyncMPClient if nursery is None else TrioMPClient
                 client = cls(self.config, self.args)
@@ -102,13 +107,17 @@ class AsyncLLM:
                 raise  # (the client's own: already says why)
             except Exception as e:
                 raise startup_error(e) from e
+            self.frontend = await aio.to_thread(finish_host_side, self.config, tokenizer)
         except BaseException:
-            if client is not None:
-                with aio.shielded():
+            with aio.shielded():
+                if client is not None:
                     await client.shutdown()
+                if tokenizer is not None:
+                    await aio.to_thread(tokenizer.close)
             self.config = self.frontend = None
             self._aio = None
             raise
+        self._tokenizer_process = tokenizer
         self.client = client
         client.run_output_handler(self._on_outputs, self._on_dead, nursery)
         frontend = self.frontend
@@ -158,6 +167,10 @@ class AsyncLLM:
         finally:
             if self._setup is not None:
                 self._setup.shutdown()
+            tokenizer, self._tokenizer_process = self._tokenizer_process, None
+            if tokenizer is not None and self._aio is not None:
+                with self._aio.shielded():
+                    await self._aio.to_thread(tokenizer.close)  # (it exits on EOF)
             unfreeze_objects()
 
     @property

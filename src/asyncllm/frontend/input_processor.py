@@ -17,6 +17,11 @@ from asyncllm.structured.grammar import check as check_structured
 PromptType = str | list[int] | dict[str, Any]
 
 
+def vocab_max_token_bytes(vocab: dict[str, int]) -> int:
+    """The longest entry of a vocabulary, in UTF-8 bytes (at least 1)."""
+    return max((len(t.encode("utf-8")) for t in vocab), default=1)
+
+
 class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer: Any | None) -> None:
         self.config = config
@@ -36,8 +41,12 @@ class InputProcessor:
         vocabulary in UTF-8 (a byte-level or SentencePiece entry spells each byte it
         covers with at least one byte)."""
         if self._max_token_bytes is None:
-            vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
-            self._max_token_bytes = max((len(t.encode("utf-8")) for t in vocab), default=1)
+            known = getattr(self.tokenizer, "max_token_bytes", None)  # (ProcessTokenizer)
+            if isinstance(known, int):
+                self._max_token_bytes = known
+            else:
+                vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
+                self._max_token_bytes = vocab_max_token_bytes(vocab)
         return self._max_token_bytes
 
     def _refuse_if_surely_too_long(self, text: str) -> None:
