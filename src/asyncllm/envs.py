@@ -21,6 +21,7 @@ so a test or a host that sets a variable before starting an engine is heard.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -47,6 +48,20 @@ def cpu_packing_enabled() -> bool:
 
 def log_level() -> str:
     return os.environ.get("ASYNCLLM_LOG_LEVEL", "WARNING").upper()
+
+
+def child_process_env() -> dict[str, str]:
+    """Our environment for a child process of asyncllm's (`python -m asyncllm....`), with
+    the folders asyncllm (and its kernels) were imported from on PYTHONPATH, so a source
+    checkout works without installing."""
+    roots = [str(Path(__file__).resolve().parents[1])]  # .../<root>/asyncllm/envs.py
+    kernels = importlib.util.find_spec("asyncllm_kernels")
+    if kernels is not None and kernels.origin is not None:
+        roots.append(str(Path(kernels.origin).resolve().parents[1]))
+    env = dict(os.environ)
+    old = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = os.pathsep.join(roots + ([old] if old else []))
+    return env
 
 
 def cache_env(path: str) -> dict[str, str]:

@@ -141,12 +141,12 @@ def test_bad_cpu_threads_are_named(value, error):
 
 @pytest.mark.parametrize("name", ["ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"])
 def test_the_core_process_caps_onednn_s_caches_unless_told(monkeypatch, name):
-    from asyncllm.engine.host_launcher import CPU_CACHE_CAPACITIES, child_env
+    from asyncllm.engine.host_launcher import CPU_CACHE_CAPACITIES, core_env
 
     monkeypatch.delenv(name, raising=False)
-    assert child_env()[name] == CPU_CACHE_CAPACITIES[name] == "16"
+    assert core_env()[name] == CPU_CACHE_CAPACITIES[name] == "16"
     monkeypatch.setenv(name, "512")
-    assert child_env()[name] == "512"
+    assert core_env()[name] == "512"
 
 
 def test_trim_heap_gives_freed_memory_back_on_glibc():

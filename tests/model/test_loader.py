@@ -226,3 +226,18 @@ def test_the_core_builds_its_config_from_the_hosts_fields_without_transformers(t
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(ref.hidden_size), "False"]
+
+
+def test_conversion_runs_in_a_child_and_its_error_comes_back(tmp_path, monkeypatch):
+    """The GGUF is read in a child process (reading it holds the GIL, which would stall
+    a host's loop); the child's error is raised here, naming the file."""
+    from asyncllm.model import gguf_convert
+
+    calls = []
+    monkeypatch.setattr(gguf_convert, "_write_folder_here", lambda *a: calls.append(a))
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(Exception, match="converting .*broken.gguf") as err:
+        gguf_convert.convert_gguf(bad, tmp_path / "cache")
+    assert calls == []  # (not in this process)
+    assert type(err.value) in (ValueError, TypeError, FileNotFoundError, RuntimeError)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import shutil
 import stat
@@ -16,6 +15,7 @@ from typing import Any
 
 import torch
 
+from asyncllm import envs
 from asyncllm.config import EngineArgs
 from asyncllm.messages import EngineStartup
 
@@ -91,18 +91,12 @@ def remove_private_ipc_dir(input_addr: str, output_addr: str) -> bool:
 CPU_CACHE_CAPACITIES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16"}
 
 
-def child_env() -> dict[str, str]:
-    """Our environment, with the folders asyncllm was imported from on PYTHONPATH, so a
-    source checkout works without installing."""
-    roots = [str(Path(__file__).resolve().parents[2])]  # .../<root>/asyncllm/engine/
-    kernels = importlib.util.find_spec("asyncllm_kernels")
-    if kernels is not None and kernels.origin is not None:
-        roots.append(str(Path(kernels.origin).resolve().parents[1]))
-    env = dict(os.environ)
+def core_env() -> dict[str, str]:
+    """The engine core's environment: a child's (`envs.child_process_env`), with the
+    CPU caches capped unless the variables are set."""
+    env = envs.child_process_env()
     for name, value in CPU_CACHE_CAPACITIES.items():
         env.setdefault(name, value)
-    old = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = os.pathsep.join(roots + ([old] if old else []))
     return env
 
 
@@ -131,7 +125,7 @@ class CoreProcess:
                 self.output_addr,
             ],
             stdin=subprocess.PIPE,
-            env=child_env(),
+            env=core_env(),
             close_fds=True,
         )
 

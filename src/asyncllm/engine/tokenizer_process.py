@@ -32,6 +32,8 @@ from typing import IO, Any
 
 import msgspec
 
+from asyncllm import envs
+
 _HEADER = 4
 
 
@@ -149,14 +151,12 @@ class ProcessTokenizer:
     clean_up_tokenization_spaces = False
 
     def __init__(self, path: str) -> None:
-        from asyncllm.engine.host_launcher import child_env
-
         self.path = path
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "asyncllm.engine.tokenizer_process"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=child_env(),
+            env=envs.child_process_env(),
             close_fds=True,
         )
         self._lock = threading.Lock()

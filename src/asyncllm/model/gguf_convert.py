@@ -15,12 +15,15 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from asyncllm import envs
 from asyncllm.model.progress import progress
 
 logger = logging.getLogger(__name__)
@@ -132,7 +135,31 @@ def fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+_ERROR_FILE = ".conversion-error.json"  # the child's exception, for the host to raise
+
+
 def _write_folder(gguf_path: Path, out: Path) -> None:
+    """Writes the folder in a child process (`python -m asyncllm.model.gguf_convert`):
+    reading and dequantizing hold the GIL for up to ~0.7 s at a time, which would stall
+    the event loop of a host that starts an engine. Its exception, if any, is raised here
+    (ValueError/TypeError/FileNotFoundError as such, others as RuntimeError)."""
+    cmd = [sys.executable, "-m", "asyncllm.model.gguf_convert", str(gguf_path), str(out)]
+    proc = subprocess.run(cmd, env=envs.child_process_env(), check=False)
+    if proc.returncode == 0:
+        return
+    error = out / _ERROR_FILE
+    if not error.is_file():
+        raise RuntimeError(f"converting {gguf_path} failed (exit code {proc.returncode})")
+    kind, message = json.loads(error.read_text())
+    types = {
+        "ValueError": ValueError,
+        "TypeError": TypeError,
+        "FileNotFoundError": FileNotFoundError,
+    }
+    raise types.get(kind, RuntimeError)(f"converting {gguf_path}: {message}")
+
+
+def _write_folder_here(gguf_path: Path, out: Path) -> None:
     import torch
     from gguf import GGUFReader
     from safetensors.torch import save_file
@@ -180,3 +207,17 @@ def convert_gguf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike) -> 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def main() -> None:
+    """The child of `_write_folder`: converts argv[1] into the folder argv[2]."""
+    gguf_path, out = Path(sys.argv[1]), Path(sys.argv[2])
+    try:
+        _write_folder_here(gguf_path, out)
+    except Exception as e:
+        (out / _ERROR_FILE).write_text(json.dumps([type(e).__name__, str(e)]))
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()
