@@ -93,8 +93,17 @@ def test_process_tokenizer_errors_name_their_cause(process_tokenizer):
         process_tokenizer.apply_chat_template(
             conv, chat_template="{{ raise_exception('no way') }}", tokenize=False
         )
+    with pytest.raises(TemplateError):  # (a subclass: jinja's UndefinedError)
+        process_tokenizer.apply_chat_template(
+            conv, chat_template="{{ nothing.here }}", tokenize=False
+        )
     with pytest.raises(TypeError):
         process_tokenizer.apply_chat_template([{"role": "user", "content": object()}])
+    with pytest.raises(TypeError):  # (a lone surrogate cannot be sent)
+        process_tokenizer(["bad \ud800 text"])
+    # arrays asked for come back as lists
+    ids = process_tokenizer.apply_chat_template(conv, tokenize=True, return_tensors="np")
+    assert isinstance(ids, list | dict)
     # the process keeps serving after both
     assert process_tokenizer(["ok"]).input_ids == [process_tokenizer("ok").input_ids]
 

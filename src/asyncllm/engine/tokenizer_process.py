@@ -24,6 +24,7 @@ so stray prints cannot corrupt the stream) carries `["ok", result]` or
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -38,7 +39,7 @@ _HEADER = 4
 
 
 def _write(stream: IO[bytes], obj: Any) -> None:
-    body = msgspec.msgpack.encode(obj)
+    body = msgspec.msgpack.encode(obj)  # (raises before a byte is written)
     stream.write(len(body).to_bytes(_HEADER, "big") + body)
     stream.flush()
 
@@ -57,10 +58,29 @@ def _read(stream: IO[bytes]) -> Any:
 # -- the child -----------------------------------------------------------------------
 
 
+def _plain(value: Any) -> Any:
+    """Token ids as lists of ints (a template asked for arrays gives arrays)."""
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
 def _chat_result(result: Any) -> Any:
-    if isinstance(result, str | list):
+    if isinstance(result, str):
         return result
-    return {"input_ids": list(result["input_ids"])}
+    if isinstance(result, list):
+        return [_plain(x) for x in result]
+    return {"input_ids": _plain(result["input_ids"])}
+
+
+def _error_kind(e: BaseException) -> str:
+    """The class the host raises for `e`: what the frontend tells apart."""
+    from jinja2 import TemplateError
+
+    if isinstance(e, TemplateError):
+        return "TemplateError"
+    for kind in (ValueError, TypeError):
+        if isinstance(e, kind):
+            return kind.__name__
+    return type(e).__name__
 
 
 def _serve(tokenizer: Any, inp: IO[bytes], out: IO[bytes]) -> None:
@@ -81,10 +101,11 @@ def _serve(tokenizer: Any, inp: IO[bytes], out: IO[bytes]) -> None:
                 result = _chat_result(tokenizer.apply_chat_template(conversation, **kwargs))
             else:
                 raise ValueError(f"unknown tokenizer call {method!r}")
+            answer = msgspec.msgpack.encode(["ok", result])
         except Exception as e:  # noqa: BLE001 (sent back; the host raises it)
-            _write(out, ["error", type(e).__name__, str(e)])
-            continue
-        _write(out, ["ok", result])
+            answer = msgspec.msgpack.encode(["error", _error_kind(e), str(e)])
+        out.write(len(answer).to_bytes(_HEADER, "big") + answer)
+        out.flush()
 
 
 def _hello(tokenizer: Any) -> dict[str, Any]:
@@ -103,6 +124,7 @@ def _hello(tokenizer: Any) -> dict[str, Any]:
 
 
 def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a terminal's Ctrl-C is the host's)
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # prints from libraries go to stderr, not into the frame stream
     inp = sys.stdin.buffer
@@ -160,18 +182,25 @@ class ProcessTokenizer:
             close_fds=True,
         )
         self._lock = threading.Lock()
+        self._local_lock = threading.Lock()
         self._decoder: Any = None
         self.eos_token_id: int | None = None
         self.chat_template: Any = None
         self.max_token_bytes = 1
+        self._ready = False
         assert self.proc.stdin is not None
-        _write(self.proc.stdin, [path])
+        try:
+            _write(self.proc.stdin, [path])
+        except BaseException:
+            self.close()
+            raise
 
     def wait_ready(self) -> ProcessTokenizer:
         """Waits for the process to load the tokenizer (seconds; off the event loop).
         Raises TokenizerProcessError (or the loader's ValueError/TypeError) if it
         cannot."""
         hello = self._call(None)
+        self._ready = True
         self.eos_token_id = hello["eos_token_id"]
         self.chat_template = hello["chat_template"]
         self.max_token_bytes = int(hello["max_token_bytes"])
@@ -182,18 +211,27 @@ class ProcessTokenizer:
         else:  # not byte-level BPE: the host decodes with a tokenizer of its own
             from transformers import AutoTokenizer
 
-            self._decoder = AutoTokenizer.from_pretrained(self.path)
+            local = AutoTokenizer.from_pretrained(self.path)
+            self.__dict__["_local"] = local
+            backend = getattr(local, "backend_tokenizer", None)  # (10x cheaper a call)
+            clean = getattr(local, "clean_up_tokenization_spaces", False)
+            self._decoder = backend if backend is not None and not clean else local
         return self
 
     def _call(self, request: list[Any] | None) -> Any:
+        try:
+            body = None if request is None else msgspec.msgpack.encode(request)
+        except (TypeError, ValueError) as e:  # (an object or a string it cannot carry)
+            raise TypeError(f"the tokenizer cannot take this input: {e}") from None
         with self._lock:
             stdin, stdout = self.proc.stdin, self.proc.stdout
             assert stdin is not None and stdout is not None
             try:
-                if request is not None:
-                    _write(stdin, request)
+                if body is not None:
+                    stdin.write(len(body).to_bytes(_HEADER, "big") + body)
+                    stdin.flush()
                 answer = _read(stdout)
-            except (EOFError, BrokenPipeError, ValueError, OSError):
+            except (EOFError, OSError, msgspec.DecodeError):
                 code = self.proc.poll()
                 raise TokenizerProcessError(
                     f"the tokenizer process exited (code {code})"
@@ -220,17 +258,13 @@ class ProcessTokenizer:
     def local_tokenizer(self) -> Any:
         """The transformers tokenizer itself, built in this process on first use: it
         blocks the calling thread (and, holding the GIL, an event loop) ~0.2-0.4 s."""
-        local = self.__dict__.get("_local")
-        if local is None:
-            from asyncllm.frontend.token_bytes import ByteTableDecoder
-
-            if self._decoder is None or isinstance(self._decoder, ByteTableDecoder):
+        with self._local_lock:
+            local = self.__dict__.get("_local")
+            if local is None:
                 from transformers import AutoTokenizer
 
                 local = AutoTokenizer.from_pretrained(self.path)
-            else:
-                local = self._decoder  # (already built to decode with)
-            self.__dict__["_local"] = local
+                self.__dict__["_local"] = local
         return local
 
     def __getattr__(self, name: str) -> Any:
@@ -242,6 +276,8 @@ class ProcessTokenizer:
 
     def close(self) -> None:
         """Ends the process (it exits on EOF; killed if it does not)."""
+        if not self._ready:  # (it may be blocked writing its answer: no EOF would reach it)
+            self.proc.kill()
         if self.proc.stdin is not None:
             try:
                 self.proc.stdin.close()

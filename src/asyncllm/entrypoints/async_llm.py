@@ -110,10 +110,12 @@ class AsyncLLM:
             self.frontend = await aio.to_thread(finish_host_side, self.config, tokenizer)
         except BaseException:
             with aio.shielded():
-                if client is not None:
-                    await client.shutdown()
-                if tokenizer is not None:
-                    await aio.to_thread(tokenizer.close)
+                try:
+                    if client is not None:
+                        await client.shutdown()
+                finally:
+                    if tokenizer is not None:
+                        await aio.to_thread(tokenizer.close)
             self.config = self.frontend = None
             self._aio = None
             raise

@@ -52,7 +52,8 @@ def byte_table(tokenizer: Any) -> tuple[list[bytes], list[int]] | None:
         return None
     chars = _byte_level_chars()
     table: list[bytes] = []
-    for i in range(backend.get_vocab_size(with_added_tokens=True)):
+    size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    for i in range(size):  # (ids may have gaps: a count of tokens could fall short)
         token = backend.id_to_token(i)
         if token is None:
             table.append(b"")
