@@ -159,3 +159,9 @@ def test_other_tokenizer_attributes_come_from_a_local_tokenizer(
     )
     with pytest.raises(AttributeError):
         process_tokenizer._no_such_thing  # noqa: B018
+    assert len(process_tokenizer) == len(smollm_tokenizer)
+    got = process_tokenizer("Hello there", return_attention_mask=True)
+    assert got.attention_mask == [1] * len(ids)
+    assert process_tokenizer.decode(ids, clean_up_tokenization_spaces=True) == (
+        smollm_tokenizer.decode(ids, clean_up_tokenization_spaces=True)
+    )

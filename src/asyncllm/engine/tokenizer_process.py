@@ -244,7 +244,13 @@ class ProcessTokenizer:
 
     # -- the tokenizer calls the frontend makes ------------------------------------------
 
-    def __call__(self, texts: str | list[str], add_special_tokens: bool = True) -> Any:
+    def __call__(
+        self, texts: str | list[str], add_special_tokens: bool = True, **kwargs: Any
+    ) -> Any:
+        """`.input_ids` of the text(s); with any other argument (`return_tensors`, ...),
+        the local tokenizer's own call."""
+        if kwargs:
+            return self.local_tokenizer()(texts, add_special_tokens=add_special_tokens, **kwargs)
         one = isinstance(texts, str)
         ids = self._call(["encode", [[texts] if one else list(texts), add_special_tokens]])
         return SimpleNamespace(input_ids=ids[0] if one else ids)
@@ -252,8 +258,15 @@ class ProcessTokenizer:
     def apply_chat_template(self, conversation: list[Any], **kwargs: Any) -> Any:
         return self._call(["chat", [conversation, kwargs]])
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False, **kwargs: Any) -> str:
+        """The text of `ids`; with any other argument, the local tokenizer's decode."""
+        if kwargs:
+            local = self.local_tokenizer()
+            return str(local.decode(ids, skip_special_tokens=skip_special_tokens, **kwargs))
         return str(self._decoder.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def __len__(self) -> int:
+        return len(self.local_tokenizer())
 
     def local_tokenizer(self) -> Any:
         """The transformers tokenizer itself, built in this process on first use: it
