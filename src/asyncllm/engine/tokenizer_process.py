@@ -38,10 +38,14 @@ from asyncllm import envs
 _HEADER = 4
 
 
-def _write(stream: IO[bytes], obj: Any) -> None:
-    body = msgspec.msgpack.encode(obj)  # (raises before a byte is written)
+def _send(stream: IO[bytes], body: bytes) -> None:
+    """One frame of an encoded message."""
     stream.write(len(body).to_bytes(_HEADER, "big") + body)
     stream.flush()
+
+
+def _write(stream: IO[bytes], obj: Any) -> None:
+    _send(stream, msgspec.msgpack.encode(obj))  # (encoding raises before a byte is sent)
 
 
 def _read(stream: IO[bytes]) -> Any:
@@ -104,8 +108,7 @@ def _serve(tokenizer: Any, inp: IO[bytes], out: IO[bytes]) -> None:
             answer = msgspec.msgpack.encode(["ok", result])
         except Exception as e:  # noqa: BLE001 (sent back; the host raises it)
             answer = msgspec.msgpack.encode(["error", _error_kind(e), str(e)])
-        out.write(len(answer).to_bytes(_HEADER, "big") + answer)
-        out.flush()
+        _send(out, answer)
 
 
 def _hello(tokenizer: Any) -> dict[str, Any]:
@@ -183,6 +186,7 @@ class ProcessTokenizer:
         )
         self._lock = threading.Lock()
         self._local_lock = threading.Lock()
+        self._local: Any = None  # the transformers tokenizer, where built in this process
         self._decoder: Any = None
         self.eos_token_id: int | None = None
         self.chat_template: Any = None
@@ -212,7 +216,7 @@ class ProcessTokenizer:
             from transformers import AutoTokenizer
 
             local = AutoTokenizer.from_pretrained(self.path)
-            self.__dict__["_local"] = local
+            self._local = local
             backend = getattr(local, "backend_tokenizer", None)  # (10x cheaper a call)
             clean = getattr(local, "clean_up_tokenization_spaces", False)
             self._decoder = backend if backend is not None and not clean else local
@@ -228,8 +232,7 @@ class ProcessTokenizer:
             assert stdin is not None and stdout is not None
             try:
                 if body is not None:
-                    stdin.write(len(body).to_bytes(_HEADER, "big") + body)
-                    stdin.flush()
+                    _send(stdin, body)
                 answer = _read(stdout)
             except (EOFError, OSError, msgspec.DecodeError):
                 code = self.proc.poll()
@@ -272,13 +275,11 @@ class ProcessTokenizer:
         """The transformers tokenizer itself, built in this process on first use: it
         blocks the calling thread (and, holding the GIL, an event loop) ~0.2-0.4 s."""
         with self._local_lock:
-            local = self.__dict__.get("_local")
-            if local is None:
+            if self._local is None:
                 from transformers import AutoTokenizer
 
-                local = AutoTokenizer.from_pretrained(self.path)
-                self.__dict__["_local"] = local
-        return local
+                self._local = AutoTokenizer.from_pretrained(self.path)
+        return self._local
 
     def __getattr__(self, name: str) -> Any:
         """Any other tokenizer attribute (`convert_ids_to_tokens`, `vocab_size`, ...):
