@@ -51,6 +51,10 @@ class SchedulerOutput:
     # The bitmask is filled after the launch: the runner queues the forward and samples
     # at the launch's `finish_launch()` (the masks need the tokens of the step before).
     grammar_bitmask_later: bool = False
+    # Set by the model runner when it copies the (pinned) bitmask to the device without
+    # a sync: a CUDA event recorded after the copy, which the scheduler waits for before
+    # it writes that buffer again.
+    grammar_bitmask_copied: Any = None
 
     @property
     def is_empty(self) -> bool:

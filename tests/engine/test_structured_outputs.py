@@ -296,6 +296,36 @@ def test_the_bitmask_masks_what_a_plain_loop_says():
     assert torch.equal(logits, expected)
 
 
+def test_a_bitmask_buffer_is_written_again_only_after_its_copy_ran():
+    """The scheduler's two bitmask buffers alternate; before one is given to a new step,
+    the manager waits for the event the runner recorded after copying it for its last
+    step (a step the runner copied synchronously has none)."""
+    from types import SimpleNamespace
+
+    from asyncllm.structured.manager import StructuredOutputManager
+
+    waited: list[str] = []
+
+    class Copied:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def synchronize(self) -> None:
+            waited.append(self.name)
+
+    manager = StructuredOutputManager(None, vocab_size=70)
+    steps = [SimpleNamespace(grammar_bitmask_copied=None) for _ in range(4)]
+    a = manager.allocate_bitmask(2, steps[0])
+    assert a.shape == (2, 3)
+    steps[0].grammar_bitmask_copied = Copied("first")
+    manager.allocate_bitmask(2, steps[1])  # (the other buffer: nothing to wait for)
+    assert waited == []
+    again = manager.allocate_bitmask(2, steps[2])  # the first buffer, after its copy
+    assert waited == ["first"] and again.data_ptr() == a.data_ptr()
+    manager.allocate_bitmask(2, steps[3])  # its last step was copied synchronously
+    assert waited == ["first"]
+
+
 def test_a_constrained_request_decodes_every_step(llm):
     """With async scheduling (the shared engine's default), a constrained request gets
     a token each step (the step after a token in flight is launched first and masked

@@ -14,7 +14,8 @@ stages are wall times of the engine's own functions (wrapped, not changed):
   `--structured`, each constrained request's matcher accepting its token)
 - fill: with `--structured`, filling a step's grammar bitmask once the tokens before it
   are known (`Scheduler.fill_grammar_bitmask`; a bitmask filled at scheduling time
-  counts in "schedule")
+  counts in "schedule"), and, where the fill runs on the structured manager's thread,
+  waiting for it (`FillJob.wait`)
 - mask: with `--structured`, the runner masking the logits with the bitmask
   (`_apply_grammar_bitmask`: the copy to the device and the masking kernels' launch)
 - encode: serializing the step's outputs for the wire (`Encoder.encode`), as the
@@ -181,6 +182,7 @@ def profile_batch(
 
     from asyncllm import SamplingParams, StructuredOutputsParams
     from asyncllm.engine.serial import Encoder
+    from asyncllm.structured.manager import FillJob
     from asyncllm.worker.model_runner import StepResult
 
     engine = llm.engine
@@ -213,6 +215,7 @@ def profile_batch(
     _wrap(runner, "_run_model", "forward", times)
     _wrap(runner, "_sample", "sample", times)
     unwrap_apply = _wrap(StepResult, "apply", "wait", times)  # (a class: undone below)
+    unwrap_fill_wait = _wrap(FillJob, "wait", "fill", times)
     _wrap(engine.frontend, "process_outputs", "frontend", times)
     encoder = Encoder()
     _wrap(encoder, "encode", "encode", times)
@@ -269,6 +272,7 @@ def profile_batch(
         row["device"] = device_gaps(events)
         row["replay"] = _time_replay(runner, batch)
     unwrap_apply()
+    unwrap_fill_wait()
     engine.abort_request([*engine.frontend.output_processor.states])  # the frontend forgets
     while core.has_unfinished_requests():
         core.step()

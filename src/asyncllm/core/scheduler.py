@@ -48,7 +48,7 @@ from asyncllm.core.request_queue import create_request_queue
 from asyncllm.messages import EngineCoreOutput, ErrorKind, RequestError, SchedulerStats
 
 if TYPE_CHECKING:
-    from asyncllm.structured.manager import StructuredOutputManager
+    from asyncllm.structured.manager import FillJob, StructuredOutputManager
 from asyncllm.step_io import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -493,7 +493,7 @@ class Scheduler:
         )
         if structured:
             assert self.structured is not None
-            out.grammar_bitmask = self.structured.allocate_bitmask(len(structured))
+            out.grammar_bitmask = self.structured.allocate_bitmask(len(structured), out)
             out.structured_req_ids = [r.request_id for r in structured]
             if lagging:
                 self._masks_due[id(out)] = structured
@@ -510,23 +510,32 @@ class Scheduler:
         flight must be applied before it is filled, and it before `sched` runs."""
         return id(sched) in self._masks_due
 
-    def fill_grammar_bitmask(self, sched: SchedulerOutput) -> None:
+    def fill_grammar_bitmask(self, sched: SchedulerOutput, wait: bool = True) -> FillJob | None:
         """Fills the bitmask `masks_due(sched)` left empty, from each request's matcher
         as it is now. A request that ended or was preempted since keeps an all-allowing
-        row: the token it samples is dropped anyway."""
+        row: the token it samples is dropped anyway. `wait=False`: the fill runs on the
+        structured manager's thread, and the returned job (None: nothing to fill) must
+        be waited for before `sched` samples and before any matcher moves on."""
         structured = self._masks_due.pop(id(sched), None)
-        if structured is not None:
-            self._fill_masks(sched, structured)
+        if structured is None:
+            return None
+        return self._fill_masks(sched, structured, wait)
 
-    def _fill_masks(self, sched: SchedulerOutput, structured: list[Request]) -> None:
+    def _fill_masks(
+        self, sched: SchedulerOutput, structured: list[Request], wait: bool = True
+    ) -> FillJob | None:
         assert self.structured is not None  # (it made their constraints)
         running = RequestStatus.RUNNING
-        rows = [
-            (row, req.structured)
-            for row, req in enumerate(structured)
-            if req.status == running and not req.structured.matcher.is_terminated()
-        ]
-        self.structured.fill_bitmask(sched.grammar_bitmask, rows)
+        rows = []
+        for row, req in enumerate(structured):
+            if req.status == running and not req.structured.terminated:
+                rows.append((row, req.structured))
+            else:
+                sched.grammar_bitmask.numpy()[row] = -1  # (allows all: its token is dropped)
+        if wait:
+            self.structured.fill_bitmask(sched.grammar_bitmask, rows)
+            return None
+        return self.structured.start_fill(sched.grammar_bitmask, rows)
 
     def _record_step(self, prefill: int, decode: int, chunked: bool) -> None:
         s = self.stats
@@ -588,7 +597,7 @@ class Scheduler:
             if self._check_stop(req, token):
                 finished = True
                 break
-            if structured is not None and structured.matcher.is_terminated():
+            if structured is not None and structured.terminated:
                 req.status = RequestStatus.FINISHED_STOPPED  # (its grammar is complete)
                 finished = True
                 break

@@ -33,7 +33,7 @@ from asyncllm.messages import (
 )
 from asyncllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from asyncllm.step_io import SchedulerOutput
-from asyncllm.structured.manager import StructuredOutputManager
+from asyncllm.structured.manager import FillJob, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +57,15 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             None if config.skip_tokenizer_init else config.model.tokenizer,
             self.vocab_size or 0,
+            pin_memory=config.model.device.type == "cuda",
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.structured)
         self._block_hasher = BlockHasher(cache.block_size) if cache.enable_prefix_caching else None
         self._pending_outputs: list[EngineCoreOutput] = []
         self._depth = 2 if config.scheduler.async_scheduling else 1
         self._in_flight: deque[tuple[SchedulerOutput, StepFuture]] = deque()
+        # The step launched last while its grammar fill runs (see `_finish_fill`).
+        self._filling: tuple[StepFuture, FillJob | None] | None = None
 
     def _check_request(self, req: EngineCoreRequest) -> int:
         """What the frontend guarantees, checked again: a request may come straight
@@ -172,10 +175,13 @@ class EngineCore:
         # Launch steps until `_depth` are in flight (or nothing more can be scheduled),
         # then apply the oldest: each call ends with one step's results. A step whose
         # grammar masks need the tokens in flight applies those steps first, then fills
-        # its masks, and is the last launched by this call.
+        # its masks, and is the last launched by this call. Where the launch splits,
+        # that fill runs on the structured manager's thread while this call returns and
+        # the next one schedules; the step samples once it is done (`_finish_fill`).
         while self.scheduler.has_unfinished_requests() and len(self._in_flight) < self._depth:
             sched = self.scheduler.schedule()
             outputs.extend(self.scheduler.take_error_outputs())
+            self._finish_fill()
             if sched.is_empty:
                 if sched.finished_req_ids:  # only ids for the runner to forget
                     self.executor.execute_model(sched)
@@ -183,14 +189,16 @@ class EngineCore:
             masks_due = self.scheduler.masks_due(sched)
             split = masks_due and self.executor.splits_launch
             if masks_due and not split:
-                applied |= self._apply_and_fill(sched, outputs, keep=0)
+                applied |= self._apply_all_but(0, outputs)
+                self.scheduler.fill_grammar_bitmask(sched)
             sched.grammar_bitmask_later = split
             future = self.executor.execute_model_async(sched)
             self._in_flight.append((sched, future))
             launched = True
             if split:  # its forward runs while the step before is applied
-                applied |= self._apply_and_fill(sched, outputs, keep=1)
-                future.finish_launch()
+                applied |= self._apply_all_but(1, outputs)
+                job = self.scheduler.fill_grammar_bitmask(sched, wait=False)
+                self._filling = (future, job)
             if masks_due:
                 break
         if self._in_flight and not applied:
@@ -212,17 +220,29 @@ class EngineCore:
         while self._in_flight:
             self._pending_outputs.extend(self._apply_oldest())
 
-    def _apply_and_fill(self, sched: SchedulerOutput, outputs: list, keep: int) -> bool:
-        """Applies the steps in flight but the last `keep`, then fills `sched`'s grammar
-        bitmask; whether any step was applied."""
+    def _finish_fill(self) -> None:
+        """Waits for the grammar fill of the step launched last, if one is running, and
+        queues that step's sampling. Before anything else reaches the executor or a
+        matcher: the runner would sample that step with the masks half filled."""
+        if self._filling is not None:
+            future, job = self._filling
+            self._filling = None
+            try:
+                if job is not None:
+                    job.wait()
+            finally:
+                future.finish_launch()
+
+    def _apply_all_but(self, keep: int, outputs: list) -> bool:
+        """Applies the steps in flight but the last `keep`; whether any was applied."""
         applied = False
         while len(self._in_flight) > keep:
             outputs.extend(self._apply_oldest())
             applied = True
-        self.scheduler.fill_grammar_bitmask(sched)
         return applied
 
     def _apply_oldest(self) -> list[EngineCoreOutput]:
+        self._finish_fill()
         sched, future = self._in_flight.popleft()
         return self.scheduler.update_from_output(sched, future.result())
 
@@ -235,5 +255,6 @@ class EngineCore:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self._filling = None  # (the manager's shutdown lets its thread end the fill)
         self.structured.shutdown()
         self.executor.shutdown()

@@ -24,11 +24,12 @@ from asyncllm.structured.grammar import GrammarKey, build_grammar, grammar_key, 
 class StructuredRequest:
     """One request's constraint: its grammar (compiling, then compiled) and matcher."""
 
-    __slots__ = ("future", "matcher")
+    __slots__ = ("future", "matcher", "terminated")
 
     def __init__(self, future: Future[Any]) -> None:
         self.future = future
         self.matcher: Any = None
+        self.terminated = False  # the matcher's grammar is complete (as of its last token)
 
     def ready(self) -> bool:
         """Whether the grammar is compiled (its matcher made) or failed."""
@@ -44,22 +45,48 @@ class StructuredRequest:
 
     def accept(self, token: int) -> bool:
         """Advances the matcher by a token the request keeps; False if the grammar does
-        not allow it (or has already ended)."""
-        return bool(self.matcher.accept_token(token))
+        not allow it (or has already ended). Sets `terminated`."""
+        ok = bool(self.matcher.accept_token(token))
+        self.terminated = bool(self.matcher.is_terminated())
+        return ok
+
+
+class FillJob:
+    """A bitmask fill running on the manager's fill thread; `wait()` returns once it is
+    done (raising what it raised)."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: str | None, vocab_size: int) -> None:
+    def __init__(self, tokenizer: str | None, vocab_size: int, pin_memory: bool = False) -> None:
         self.tokenizer_path = tokenizer
         self.vocab_size = vocab_size
+        self.pin_memory = pin_memory  # (CUDA: the runner copies the bitmask to the device as it is)
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="asyncllm-grammar")
         self._lock = threading.Lock()
         self._compiler: Any = None
         self._cache: dict[GrammarKey, Future[Any]] = {}
-        # Two persistent bitmasks, taken in turn (see allocate_bitmask).
+        # Two persistent bitmasks, taken in turn (see allocate_bitmask), and the step
+        # that used each last.
         self._bitmasks: list[torch.Tensor] = []
+        self._users: list[Any] = [None, None]
         self._next_bitmask = 0
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher, made at the first fill
+        # The fill thread (start_fill), made at its first job, with its own batch matcher
+        self._fill_thread: threading.Thread | None = None
+        self._fill_batch: Any = None
+        self._fill_cv = threading.Condition()
+        self._fill_queue: list[tuple[FillJob, torch.Tensor, list] | None] = []
 
     def _get_compiler(self) -> Any:
         with self._lock:  # (built once, by the first compilation)
@@ -92,27 +119,86 @@ class StructuredOutputManager:
         """Fills `bitmask`'s rows from their requests' matchers ((row, request) pairs) in
         one xgrammar call, on one thread unless ASYNCLLM_GRAMMAR_THREADS says otherwise:
         at 64 rows on a 16-core host 306 µs, against 436 row by row and 776 on
-        xgrammar's default threads. (The call holds the GIL:
-        on a thread of its own it would not overlap the step's other host work.)"""
+        xgrammar's default threads."""
         if not rows:
             return
         if self._batch is None:
             self._batch = xgrammar_module().BatchGrammarMatcher(max_threads=grammar_threads())
-        matchers = [r.matcher for _, r in rows]
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, [i for i, _ in rows])
+        self._fill(self._batch, bitmask, rows)
 
-    def allocate_bitmask(self, rows: int) -> torch.Tensor:
-        """An all-allowing bitmask of `rows` rows: a view of one of two persistent
-        buffers, taken in turn, so it stays valid until the next call but one. The model
-        runner copies a step's bitmask when it queues the step's sampling, before the
-        scheduler makes the next step."""
+    @staticmethod
+    def _fill(batch: Any, bitmask: torch.Tensor, rows: list[tuple[int, StructuredRequest]]) -> None:
+        matchers = [r.matcher for _, r in rows]
+        batch.batch_fill_next_token_bitmask(matchers, bitmask, [i for i, _ in rows])
+
+    def start_fill(
+        self, bitmask: torch.Tensor, rows: list[tuple[int, StructuredRequest]]
+    ) -> FillJob:
+        """`fill_bitmask` on the fill thread, while the caller goes on; returns once the
+        fill is under way. xgrammar's call releases the GIL, so it overlaps the step's
+        other host work; the caller must leave those matchers alone until `wait()`."""
+        job = FillJob()
+        if not rows:
+            job.done.set()
+            return job
+        if self._fill_thread is None:
+            self._fill_batch = xgrammar_module().BatchGrammarMatcher(max_threads=grammar_threads())
+            self._fill_thread = threading.Thread(
+                target=self._fill_loop, name="asyncllm-grammar-fill", daemon=True
+            )
+            self._fill_thread.start()
+        with self._fill_cv:
+            self._fill_queue.append((job, bitmask, rows))
+            self._fill_cv.notify()
+            # Until the thread has taken the job it needs the GIL, which this thread
+            # would hold for its whole next stretch of Python: wait, without it.
+            while self._fill_queue:
+                self._fill_cv.wait()
+        return job
+
+    def _fill_loop(self) -> None:
+        while True:
+            with self._fill_cv:
+                while not self._fill_queue:
+                    self._fill_cv.wait()
+                item = self._fill_queue.pop()
+                self._fill_cv.notify()  # (taken)
+            if item is None:
+                return
+            job, bitmask, rows = item
+            try:
+                self._fill(self._fill_batch, bitmask, rows)
+            except BaseException as e:  # (raised by wait(), in the step's thread)
+                job.error = e
+            job.done.set()
+
+    def allocate_bitmask(self, rows: int, user: Any = None) -> torch.Tensor:
+        """A bitmask of `rows` rows for the step `user`, its contents undefined until the
+        fill writes every row: a view of one of two persistent buffers (pinned if
+        `pin_memory`), taken in turn. A buffer is
+        written again only once the copy that read it for its last step has run: that
+        step's `grammar_bitmask_copied` (a CUDA event the model runner records after its
+        copy to the device; absent, the runner copied it synchronously or not at all)."""
         words = -(-self.vocab_size // 32)
         if not self._bitmasks or self._bitmasks[0].shape[0] < rows:
-            self._bitmasks = [torch.empty(rows, words, dtype=torch.int32) for _ in range(2)]
-        bitmask = self._bitmasks[self._next_bitmask][:rows]
+            self._bitmasks = [
+                torch.empty(rows, words, dtype=torch.int32, pin_memory=self.pin_memory)
+                for _ in range(2)
+            ]
+            self._users = [None, None]
+        k = self._next_bitmask
         self._next_bitmask ^= 1
-        bitmask.numpy().fill(-1)  # (numpy: a torch CPU op would wake its thread pool)
-        return bitmask
+        copied = getattr(self._users[k], "grammar_bitmask_copied", None)
+        if copied is not None:
+            copied.synchronize()  # (at depth 2 it has long run: that step was applied)
+        self._users[k] = user
+        return self._bitmasks[k][:rows]
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._fill_thread is not None:
+            with self._fill_cv:
+                self._fill_queue.append(None)
+                self._fill_cv.notify()
+            self._fill_thread.join()
+            self._fill_thread = None

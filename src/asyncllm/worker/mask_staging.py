@@ -1,11 +1,13 @@
 """The grammar bitmask's way to the device, without a sync or a per-step allocation.
 
-Each constrained step's rows (the scheduler's CPU bitmask, int32) and the logits rows
-they mask are copied with numpy into one of two pinned buffers, then to the device with
-non-blocking copies. A buffer is written again only once the copy that read it has run
-(an event each), so a step in flight never sees the next step's masks. numpy, not
-torch, does the host copies: a torch CPU op at this size wakes its thread pool, which
-costs more than the copy.
+The usual step masks every sampling row, in the scheduler's order: its bitmask (pinned
+by the scheduler on CUDA) is copied to the device as it is, with one non-blocking copy
+and an event the scheduler waits for before it writes that buffer again; the rows are a
+device `arange` made once. Any other step (some rows unconstrained, another order, an
+unpinned bitmask) goes through one of two pinned slots: its rows are gathered there
+with numpy, then copied; a slot is written again only once the copy that read it has
+run (an event each). numpy, not torch, does the host copies: a torch CPU op at this size
+wakes its thread pool, which costs more than the copy.
 """
 
 from __future__ import annotations
@@ -19,13 +21,12 @@ class _Slot:
         self.masks = torch.empty(rows, words, dtype=torch.int32).pin_memory()
         self.rows = torch.empty(rows, dtype=torch.int64).pin_memory()
         self.masks_np, self.rows_np = self.masks.numpy(), self.rows.numpy()
-        self.dev_masks = torch.empty(rows, words, dtype=torch.int32, device=device)
-        self.dev_rows = torch.empty(rows, dtype=torch.int64, device=device)
         self.copied = torch.cuda.Event()  # (never recorded: synchronize() returns at once)
 
 
 class MaskStaging:
-    """Two pinned slots of `rows` × the bitmask's width, made at the first use."""
+    """Device buffers for `rows` masks of the bitmask's width (made at the first use),
+    and two pinned slots for the steps that need a gather."""
 
     SLOTS = 2
 
@@ -34,27 +35,48 @@ class MaskStaging:
         self.device = device
         self._slots: list[_Slot] = []
         self._next = 0
+        self._words = 0
+        self._dev_masks = self._dev_rows = self._arange = torch.empty(0)
+
+    def _make(self, rows: int, words: int) -> None:
+        self.capacity, self._words = rows, words
+        self._slots = [_Slot(rows, words, self.device) for _ in range(self.SLOTS)]
+        self._dev_masks = torch.empty(rows, words, dtype=torch.int32, device=self.device)
+        self._dev_rows = torch.empty(rows, dtype=torch.int64, device=self.device)
+        self._arange = torch.arange(rows, dtype=torch.int64, device=self.device)
 
     def to_device(
         self, masks: torch.Tensor, mask_rows: list[int] | None, logit_rows: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
         """(logits rows, their masks) on the device: row `logit_rows[i]` of the logits
-        takes `masks[mask_rows[i]]` (`mask_rows` None: `masks[i]`)."""
+        takes `masks[mask_rows[i]]` (`mask_rows` None: `masks[i]`); and, when `masks`
+        itself was read by a copy still to run, the event recorded after it (a fresh
+        one: `masks` must not be written before it has passed)."""
         n, words = len(logit_rows), masks.shape[1]
-        if not self._slots or self._slots[0].masks.shape[1] != words or n > self.capacity:
-            self.capacity = max(self.capacity, n)
-            self._slots = [_Slot(self.capacity, words, self.device) for _ in range(self.SLOTS)]
-        slot = self._slots[self._next]
-        self._next = (self._next + 1) % self.SLOTS
-        slot.copied.synchronize()  # (the step that used it last has long been copied)
-        src = masks.numpy()
-        if mask_rows is None:
-            np.copyto(slot.masks_np[:n], src[:n])
-        else:
-            np.take(src, mask_rows, axis=0, out=slot.masks_np[:n])
-        slot.rows_np[:n] = logit_rows
-        dev_masks, dev_rows = slot.dev_masks[:n], slot.dev_rows[:n]
-        dev_masks.copy_(slot.masks[:n], non_blocking=True)
-        dev_rows.copy_(slot.rows[:n], non_blocking=True)
-        slot.copied.record()
-        return dev_rows, dev_masks
+        if words != self._words or n > self.capacity:
+            self._make(max(self.capacity, n), words)
+        dev_masks = self._dev_masks[:n]
+        direct = mask_rows is None and masks.is_pinned()
+        if direct:
+            dev_masks.copy_(masks[:n], non_blocking=True)
+        in_order = logit_rows == list(range(n))
+        if not direct or not in_order:
+            slot = self._slots[self._next]
+            self._next = (self._next + 1) % self.SLOTS
+            slot.copied.synchronize()  # (the step that used it last has long been copied)
+            if not direct:
+                src = masks.numpy()
+                if mask_rows is None:
+                    np.copyto(slot.masks_np[:n], src[:n])
+                else:
+                    np.take(src, mask_rows, axis=0, out=slot.masks_np[:n])
+                dev_masks.copy_(slot.masks[:n], non_blocking=True)
+            if not in_order:
+                slot.rows_np[:n] = logit_rows
+                self._dev_rows[:n].copy_(slot.rows[:n], non_blocking=True)
+            slot.copied.record()
+        read = None
+        if direct:
+            read = torch.cuda.Event()
+            read.record()
+        return (self._arange[:n] if in_order else self._dev_rows[:n]), dev_masks, read

@@ -640,22 +640,28 @@ class ModelRunner:
     ) -> None:
         """Masks the logits of the structured-output requests that sample this step with
         their rows of the scheduler's bitmask (on the device). Nothing here waits for
-        the device: on CUDA the rows and masks go through pinned buffers (MaskStaging)."""
-        index = {rid: k for k, rid in enumerate(so.structured_req_ids)}
-        logit_rows, mask_rows = [], []
-        for k, i in enumerate(inputs.samples):
-            j = index.get(inputs.states[i].req_id)
-            if j is not None:
-                logit_rows.append(k)
-                mask_rows.append(j)
+        the device: on CUDA the bitmask is pinned and copied without a sync (MaskStaging)."""
+        states = inputs.states
+        sampled = [states[i].req_id for i in inputs.samples]
+        if sampled == so.structured_req_ids:  # (the usual step: every row, in order)
+            logit_rows, in_order = list(range(len(sampled))), True
+            mask_rows = logit_rows
+        else:
+            index = {rid: k for k, rid in enumerate(so.structured_req_ids)}
+            logit_rows, mask_rows = [], []
+            for k, rid in enumerate(sampled):
+                j = index.get(rid)
+                if j is not None:
+                    logit_rows.append(k)
+                    mask_rows.append(j)
+            in_order = mask_rows == list(range(len(mask_rows)))
         if not logit_rows:
             return
         masks = so.grammar_bitmask
-        in_order = mask_rows == list(range(len(mask_rows)))
         if self.device.type == "cuda":
             if self._mask_staging is None:
                 self._mask_staging = MaskStaging(self.config.scheduler.max_num_seqs, self.device)
-            rows, masks = self._mask_staging.to_device(
+            rows, masks, so.grammar_bitmask_copied = self._mask_staging.to_device(
                 masks, None if in_order else mask_rows, logit_rows
             )
         else:
