@@ -245,13 +245,23 @@ async def test_64_concurrent_streams_with_cancellations(allm):
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
-def test_a_grammar_that_fails_in_the_core_ends_only_its_request():
+def test_a_grammar_that_fails_in_the_core_ends_only_its_request(monkeypatch):
     """A request straight to the core (past the frontend's check) whose regex cannot
-    compile gets an error output; the request beside it finishes."""
+    compile gets an error output; so does one whose matcher refuses a token it sampled
+    (made to, here: the mask never allows such a token); the request beside them
+    finishes, and every block comes back."""
     import time
 
     from asyncllm.messages import EngineCoreRequest
+    from asyncllm.structured.manager import StructuredOutputManager
 
+    run = StructuredOutputManager._run
+
+    def refusing_run(batch, bitmask, rows, accepts):
+        refused = run(batch, bitmask, rows, accepts)
+        return refused + [req for req, _, _ in accepts if req.request_id == "refused"]
+
+    monkeypatch.setattr(StructuredOutputManager, "_run", staticmethod(refusing_run))
     llm = LLM(device="cpu", max_model_len=256, multiprocess=False)
     core = llm.engine.client.core
     try:
@@ -262,7 +272,8 @@ def test_a_grammar_that_fails_in_the_core_ends_only_its_request():
 
         core.add_request(request("bad", S(regex="(unclosed")))
         core.add_request(request("good", S(choice=CHOICES)))
-        outs: dict[str, list] = {"bad": [], "good": []}
+        core.add_request(request("refused", S(choice=CHOICES)))
+        outs: dict[str, list] = {"bad": [], "good": [], "refused": []}
         for _ in range(200):
             if not core.has_unfinished_requests():
                 break
@@ -270,6 +281,8 @@ def test_a_grammar_that_fails_in_the_core_ends_only_its_request():
                 outs[o.request_id].append(o)
         assert outs["bad"][-1].error is not None and "compiled" in outs["bad"][-1].error.message
         assert outs["good"][-1].finish_reason == "stop" and outs["good"][-1].error is None
+        refused = outs["refused"][-1]
+        assert refused.error is not None and "breaks its grammar" in refused.error.message
         assert core.kv_cache_manager.num_free_blocks == core.num_blocks
     finally:
         llm.shutdown()

@@ -48,7 +48,7 @@ from asyncllm.core.request_queue import create_request_queue
 from asyncllm.messages import EngineCoreOutput, ErrorKind, RequestError, SchedulerStats
 
 if TYPE_CHECKING:
-    from asyncllm.structured.manager import FillJob, StructuredOutputManager
+    from asyncllm.structured.manager import Accepts, FillJob, StructuredOutputManager
 from asyncllm.step_io import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -129,6 +129,10 @@ class Scheduler:
         # Steps whose grammar bitmask is still to fill (see `masks_due`): their
         # constrained requests, by bitmask row.
         self._masks_due: dict[int, list[Request]] = {}
+        # Tokens kept since the last fill, for the matchers to accept first (see
+        # `_fill_masks`), and the fill thread's last job, for the tokens it refused.
+        self._accepts: Accepts = []
+        self._grammar_job: FillJob | None = None
 
     # -- requests in and out -------------------------------------------------------
 
@@ -203,7 +207,8 @@ class Scheduler:
 
     def take_error_outputs(self) -> list[EngineCoreOutput]:
         """The outputs of requests `schedule()` ended because they could never be
-        scheduled, since the last call."""
+        scheduled (or whose grammar refused a token), since the last call."""
+        self._report_refused()
         out, self._error_outputs = self._error_outputs, []
         return out
 
@@ -524,18 +529,37 @@ class Scheduler:
     def _fill_masks(
         self, sched: SchedulerOutput, structured: list[Request], wait: bool = True
     ) -> FillJob | None:
+        """The matchers accept the tokens kept since the last fill, then the bitmask's
+        rows are filled: here (`wait`), or on the structured manager's thread."""
         assert self.structured is not None  # (it made their constraints)
+        self._report_refused()
+        accepts, self._accepts = self._accepts, []
         running = RequestStatus.RUNNING
         rows = []
         for row, req in enumerate(structured):
-            if req.status == running and not req.structured.terminated:
+            if req.status == running:
                 rows.append((row, req.structured))
             else:
                 sched.grammar_bitmask.numpy()[row] = -1  # (allows all: its token is dropped)
         if wait:
-            self.structured.fill_bitmask(sched.grammar_bitmask, rows)
+            self._refuse(self.structured.fill_bitmask(sched.grammar_bitmask, rows, accepts))
             return None
-        return self.structured.start_fill(sched.grammar_bitmask, rows)
+        self._grammar_job = self.structured.start_fill(sched.grammar_bitmask, rows, accepts)
+        return self._grammar_job
+
+    def _report_refused(self) -> None:
+        job = self._grammar_job
+        if job is not None and job.done.is_set():
+            self._grammar_job = None
+            self._refuse(job.refused)
+
+    def _refuse(self, reqs: list[Request]) -> None:
+        """Ends the requests whose grammar refused a token they kept (the mask allows
+        only tokens the grammar accepts: a bug if any)."""
+        for req in reqs:
+            if not req.is_finished:
+                why = "a sampled token breaks its grammar"
+                self._error_outputs.append(self._fail(req, ErrorKind.FAILED, why))
 
     def _record_step(self, prefill: int, decode: int, chunked: bool) -> None:
         s = self.stats
@@ -588,16 +612,22 @@ class Scheduler:
         new_tokens: list[int] = []
         finished = False
         structured = req.structured
+        ends_grammar = (
+            self.structured.stop_token_ids
+            if structured is not None and self.structured is not None
+            else ()
+        )
         for token in runner.sampled_token_ids.get(rid, ()):
-            if structured is not None and not structured.accept(token):
-                # (the mask allows only tokens the grammar accepts: a bug if it did not)
-                return self._fail(req, ErrorKind.FAILED, f"token {token} breaks its grammar")
             req.append_token(token)
             new_tokens.append(token)
+            if structured is not None:
+                # Its matcher accepts it before the request's next mask is filled (on
+                # the fill thread, with the next fill; see `_fill_masks`).
+                self._accepts.append((req, structured, token))
             if self._check_stop(req, token):
                 finished = True
                 break
-            if structured is not None and structured.terminated:
+            if token in ends_grammar:
                 req.status = RequestStatus.FINISHED_STOPPED  # (its grammar is complete)
                 finished = True
                 break

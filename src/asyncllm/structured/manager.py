@@ -10,6 +10,7 @@ it on the device; each token the request keeps advances its matcher.
 
 from __future__ import annotations
 
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -24,12 +25,11 @@ from asyncllm.structured.grammar import GrammarKey, build_grammar, grammar_key, 
 class StructuredRequest:
     """One request's constraint: its grammar (compiling, then compiled) and matcher."""
 
-    __slots__ = ("future", "matcher", "terminated")
+    __slots__ = ("future", "matcher")
 
     def __init__(self, future: Future[Any]) -> None:
         self.future = future
         self.matcher: Any = None
-        self.terminated = False  # the matcher's grammar is complete (as of its last token)
 
     def ready(self) -> bool:
         """Whether the grammar is compiled (its matcher made) or failed."""
@@ -45,21 +45,28 @@ class StructuredRequest:
 
     def accept(self, token: int) -> bool:
         """Advances the matcher by a token the request keeps; False if the grammar does
-        not allow it (or has already ended). Sets `terminated`."""
-        ok = bool(self.matcher.accept_token(token))
-        self.terminated = bool(self.matcher.is_terminated())
-        return ok
+        not allow it (or has already ended)."""
+        return bool(self.matcher.accept_token(token))
+
+
+# Tokens matchers are still to accept, (key, request, token), oldest first; the key (the
+# scheduler's request) comes back with each token its grammar refused.
+Accepts = list[tuple[Any, StructuredRequest, int]]
+Rows = list[tuple[int, StructuredRequest]]
 
 
 class FillJob:
-    """A bitmask fill running on the manager's fill thread; `wait()` returns once it is
-    done (raising what it raised)."""
+    """Matchers accepting their tokens, then a bitmask fill, on the manager's fill
+    thread; `wait()` returns once both are done (raising what they raised). `refused`:
+    the keys whose token the grammar did not allow (the mask allows only tokens the
+    grammar accepts: a bug if any)."""
 
-    __slots__ = ("done", "error")
+    __slots__ = ("done", "error", "refused")
 
     def __init__(self) -> None:
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self.refused: list[Any] = []
 
     def wait(self) -> None:
         self.done.wait()
@@ -86,7 +93,9 @@ class StructuredOutputManager:
         self._fill_thread: threading.Thread | None = None
         self._fill_batch: Any = None
         self._fill_cv = threading.Condition()
-        self._fill_queue: list[tuple[FillJob, torch.Tensor, list] | None] = []
+        self._fill_queue: list[tuple[FillJob, Any, Rows, Accepts] | None] = []
+        self._job: FillJob | None = None  # the fill thread's last job
+        self._stop_token_ids: frozenset[int] = frozenset()
 
     def _get_compiler(self) -> Any:
         with self._lock:  # (built once, by the first compilation)
@@ -98,6 +107,7 @@ class StructuredOutputManager:
                 xgr = xgrammar_module()
                 tok = AutoTokenizer.from_pretrained(self.tokenizer_path)
                 info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size)
+                self._stop_token_ids = frozenset(info.stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2)
             return self._compiler
 
@@ -113,32 +123,45 @@ class StructuredOutputManager:
             fut = self._cache[key] = self._pool.submit(self._compile, key)
         return StructuredRequest(fut)
 
-    def fill_bitmask(
-        self, bitmask: torch.Tensor, rows: list[tuple[int, StructuredRequest]]
-    ) -> None:
-        """Fills `bitmask`'s rows from their requests' matchers ((row, request) pairs) in
-        one xgrammar call, on one thread unless ASYNCLLM_GRAMMAR_THREADS says otherwise:
-        at 64 rows on a 16-core host 306 µs, against 436 row by row and 776 on
-        xgrammar's default threads."""
-        if not rows:
-            return
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """The tokens that end a grammar: a matcher is terminated once it accepts one
+        (set once a grammar has compiled)."""
+        return self._stop_token_ids
+
+    def fill_bitmask(self, bitmask: torch.Tensor, rows: Rows, accepts: Accepts) -> list[Any]:
+        """Advances the matchers by `accepts`, then fills `bitmask`'s rows from their
+        requests' matchers ((row, request) pairs), in this thread once a fill thread's
+        job is done; returns the refused keys. The fill is one xgrammar call, on one
+        thread unless ASYNCLLM_GRAMMAR_THREADS says otherwise: at 64 rows on a 16-core
+        host 306 µs, against 436 row by row and 776 on xgrammar's default threads."""
+        if self._job is not None:
+            self._job.done.wait()  # (its matchers may be these)
         if self._batch is None:
             self._batch = xgrammar_module().BatchGrammarMatcher(max_threads=grammar_threads())
-        self._fill(self._batch, bitmask, rows)
+        return self._run(self._batch, bitmask, rows, accepts)
 
     @staticmethod
-    def _fill(batch: Any, bitmask: torch.Tensor, rows: list[tuple[int, StructuredRequest]]) -> None:
-        matchers = [r.matcher for _, r in rows]
-        batch.batch_fill_next_token_bitmask(matchers, bitmask, [i for i, _ in rows])
+    def _run(batch: Any, bitmask: torch.Tensor | None, rows: Rows, accepts: Accepts) -> list[Any]:
+        refused = []
+        if accepts:
+            matchers = [r.matcher for _, r, _ in accepts]
+            if len({id(m) for m in matchers}) == len(matchers):
+                ok = batch.batch_accept_token(matchers, [t for *_, t in accepts])
+            else:  # (a matcher with two tokens: in order)
+                ok = [r.accept(t) for _, r, t in accepts]
+            refused = [a[0] for a, good in zip(accepts, ok) if not good]
+        if rows and bitmask is not None:
+            matchers = [r.matcher for _, r in rows]
+            batch.batch_fill_next_token_bitmask(matchers, bitmask, [i for i, _ in rows])
+        return refused
 
-    def start_fill(
-        self, bitmask: torch.Tensor, rows: list[tuple[int, StructuredRequest]]
-    ) -> FillJob:
+    def start_fill(self, bitmask: torch.Tensor, rows: Rows, accepts: Accepts) -> FillJob:
         """`fill_bitmask` on the fill thread, while the caller goes on; returns once the
-        fill is under way. xgrammar's call releases the GIL, so it overlaps the step's
+        job is under way. xgrammar's calls release the GIL, so they overlap the step's
         other host work; the caller must leave those matchers alone until `wait()`."""
         job = FillJob()
-        if not rows:
+        if not rows and not accepts:
             job.done.set()
             return job
         if self._fill_thread is None:
@@ -147,8 +170,12 @@ class StructuredOutputManager:
                 target=self._fill_loop, name="asyncllm-grammar-fill", daemon=True
             )
             self._fill_thread.start()
+            # Between its two calls the thread needs the GIL back: within 0.2 ms, not
+            # the default 5 ms a busy step thread would otherwise keep it.
+            sys.setswitchinterval(min(sys.getswitchinterval(), 2e-4))
+        self._job = job
         with self._fill_cv:
-            self._fill_queue.append((job, bitmask, rows))
+            self._fill_queue.append((job, bitmask, rows, accepts))
             self._fill_cv.notify()
             # Until the thread has taken the job it needs the GIL, which this thread
             # would hold for its whole next stretch of Python: wait, without it.
@@ -165,9 +192,9 @@ class StructuredOutputManager:
                 self._fill_cv.notify()  # (taken)
             if item is None:
                 return
-            job, bitmask, rows = item
+            job, bitmask, rows, accepts = item
             try:
-                self._fill(self._fill_batch, bitmask, rows)
+                job.refused = self._run(self._fill_batch, bitmask, rows, accepts)
             except BaseException as e:  # (raised by wait(), in the step's thread)
                 job.error = e
             job.done.set()
