@@ -4,9 +4,10 @@ and applying it to the logits (asyncllm.sample.ops.apply_token_bitmask; in the m
 runner), at batch 1 and 32, the embedded SmolLM2's vocabulary, a JSON schema, matchers
 advanced along a valid output (the sample text where the grammar allows it) so the
 masks are those of real steps. "fill" is the engine's (`StructuredOutputManager.
-fill_bitmask`: row after row); "one call" fills every row in one call to xgrammar's
-BatchGrammarMatcher with one thread, "threads" with its default thread count; "accept"
-is every matcher accepting its next token (in the scheduler's update).
+fill_bitmask`: one xgrammar call, ASYNCLLM_GRAMMAR_THREADS threads); "one call" fills
+every row in one call to xgrammar's BatchGrammarMatcher with one thread, "threads" with
+its default thread count; "accept" is every matcher accepting its next token (the
+engine's `StructuredOutputManager.accept`: one call, before the next fill).
 
     python benchmarks/structured_overhead.py [--batch 1 32] [--steps 64] [--model DIR]
 """
@@ -101,9 +102,9 @@ def main() -> None:
                 break
             token = ids[step] if step < len(ids) and ids[step] in allowed else allowed[0]
             t0 = time.perf_counter()
-            for r in reqs:
-                assert r.accept(token)
+            refused = manager.accept([(i, r, token) for i, r in enumerate(reqs)])
             accepts.append(time.perf_counter() - t0)
+            assert not refused
         print(f"  ({len(fills)} steps)")
         fill, apply = statistics.median(fills) * 1e6, statistics.median(applies) * 1e6
         one, many = statistics.median(one_calls) * 1e6, statistics.median(threaded_fills) * 1e6

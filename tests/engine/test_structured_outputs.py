@@ -255,13 +255,13 @@ def test_a_grammar_that_fails_in_the_core_ends_only_its_request(monkeypatch):
     from asyncllm.messages import EngineCoreRequest
     from asyncllm.structured.manager import StructuredOutputManager
 
-    run = StructuredOutputManager._run
+    accept = StructuredOutputManager.accept
 
-    def refusing_run(batch, bitmask, rows, accepts):
-        refused = run(batch, bitmask, rows, accepts)
+    def refusing_accept(self, accepts):
+        refused = accept(self, accepts)
         return refused + [req for req, _, _ in accepts if req.request_id == "refused"]
 
-    monkeypatch.setattr(StructuredOutputManager, "_run", staticmethod(refusing_run))
+    monkeypatch.setattr(StructuredOutputManager, "accept", refusing_accept)
     llm = LLM(device="cpu", max_model_len=256, multiprocess=False)
     core = llm.engine.client.core
     try:
@@ -369,3 +369,34 @@ def test_properties_are_generated_in_the_schema_order(llm):
     text = out.outputs[0].text
     _check_json(text, schema)
     assert text.startswith('{"zeta"'), text
+
+
+def test_matchers_accept_a_steps_tokens_at_once_and_name_each_refused_one():
+    """The batched accept before a fill (one xgrammar call) says which tokens their
+    grammar refused; a matcher with two tokens takes them in order; a refused token
+    leaves no trace, and the mask then allows what the grammar does."""
+    from transformers import AutoTokenizer
+
+    from asyncllm.model.source import embedded_model_path
+    from asyncllm.structured.manager import StructuredOutputManager
+
+    path = str(embedded_model_path())
+    tok = AutoTokenizer.from_pretrained(path)
+    manager = StructuredOutputManager(path, vocab_size=len(tok))
+    try:
+        a, b, c = (manager.request(S(regex=r"[0-9]+")) for _ in range(3))
+        a.future.result()
+        assert a.ready() and b.ready() and c.ready()
+        (seven,), (x,) = tok.encode("7"), tok.encode("x")
+        assert manager.accept([("a", a, seven), ("b", b, x), ("c", c, seven)]) == ["b"]
+        assert manager.accept([("a", a, seven), ("a2", a, x), ("c", c, seven)]) == ["a2"]
+        assert manager.accept([("b", b, seven)]) == []
+        bitmask = manager.allocate_bitmask(3)
+        job = manager.start_fill(bitmask, [(0, a), (1, b), (2, c)])
+        job.wait()
+        allowed = [
+            [(int(bitmask[i, t // 32]) >> (t % 32)) & 1 for t in (seven, x)] for i in range(3)
+        ]
+        assert allowed == [[1, 0]] * 3
+    finally:
+        manager.shutdown()

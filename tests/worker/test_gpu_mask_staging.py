@@ -35,10 +35,11 @@ def test_to_device_equals_plain_indexing(pinned, mask_rows, logit_rows):
     for seed in range(3):  # (steps back to back: each reads its own masks)
         host = _bitmask(6, seed, pinned)
         rows, masks, read = staging.to_device(host, mask_rows, logit_rows)
+        done = torch.cuda.Event()
+        done.record()
         want_masks = host[: len(logit_rows)] if mask_rows is None else host[mask_rows]
         assert torch.equal(rows.cpu(), torch.tensor(logit_rows))
         assert torch.equal(masks.cpu(), want_masks)
-        # An event to wait for exactly when the host bitmask itself was read
-        assert (read is not None) == (pinned and mask_rows is None)
-        if read is not None:
-            read.synchronize()
+        # Read by a pending copy exactly when the host bitmask goes as it is
+        assert read == (pinned and mask_rows is None)
+        done.synchronize()

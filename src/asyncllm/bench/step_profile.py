@@ -10,12 +10,12 @@ stages are wall times of the engine's own functions (wrapped, not changed):
 - sample: queuing the sampling and the copy of the tokens to the host
 - wait: waiting for a step's tokens and applying them to the persistent batch
   (`StepResult.apply`); with async scheduling the step waited for is the previous one
-- update: the scheduler taking the step's tokens (`update_from_output`; with
-  `--structured`, each constrained request's matcher accepting its token)
-- fill: with `--structured`, filling a step's grammar bitmask once the tokens before it
-  are known (`Scheduler.fill_grammar_bitmask`; a bitmask filled at scheduling time
-  counts in "schedule"), and, where the fill runs on the structured manager's thread,
-  waiting for it (`FillJob.wait`)
+- update: the scheduler taking the step's tokens (`update_from_output`)
+- fill: with `--structured`, the matchers accepting the tokens kept since the last fill
+  and filling a step's grammar bitmask once the tokens before it are known
+  (`Scheduler.fill_grammar_bitmask`; a bitmask filled at scheduling time counts in
+  "schedule"), and, where the fill runs on the structured manager's thread, waiting
+  for it (`FillJob.wait`)
 - mask: with `--structured`, the runner masking the logits with the bitmask
   (`_apply_grammar_bitmask`: the copy to the device and the masking kernels' launch)
 - encode: serializing the step's outputs for the wire (`Encoder.encode`), as the

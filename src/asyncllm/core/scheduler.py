@@ -130,9 +130,8 @@ class Scheduler:
         # constrained requests, by bitmask row.
         self._masks_due: dict[int, list[Request]] = {}
         # Tokens kept since the last fill, for the matchers to accept first (see
-        # `_fill_masks`), and the fill thread's last job, for the tokens it refused.
+        # `_fill_masks`).
         self._accepts: Accepts = []
-        self._grammar_job: FillJob | None = None
 
     # -- requests in and out -------------------------------------------------------
 
@@ -208,7 +207,6 @@ class Scheduler:
     def take_error_outputs(self) -> list[EngineCoreOutput]:
         """The outputs of requests `schedule()` ended because they could never be
         scheduled (or whose grammar refused a token), since the last call."""
-        self._report_refused()
         out, self._error_outputs = self._error_outputs, []
         return out
 
@@ -532,8 +530,8 @@ class Scheduler:
         """The matchers accept the tokens kept since the last fill, then the bitmask's
         rows are filled: here (`wait`), or on the structured manager's thread."""
         assert self.structured is not None  # (it made their constraints)
-        self._report_refused()
         accepts, self._accepts = self._accepts, []
+        self._refuse(self.structured.accept(accepts))
         running = RequestStatus.RUNNING
         rows = []
         for row, req in enumerate(structured):
@@ -542,16 +540,9 @@ class Scheduler:
             else:
                 sched.grammar_bitmask.numpy()[row] = -1  # (allows all: its token is dropped)
         if wait:
-            self._refuse(self.structured.fill_bitmask(sched.grammar_bitmask, rows, accepts))
+            self.structured.fill_bitmask(sched.grammar_bitmask, rows)
             return None
-        self._grammar_job = self.structured.start_fill(sched.grammar_bitmask, rows, accepts)
-        return self._grammar_job
-
-    def _report_refused(self) -> None:
-        job = self._grammar_job
-        if job is not None and job.done.is_set():
-            self._grammar_job = None
-            self._refuse(job.refused)
+        return self.structured.start_fill(sched.grammar_bitmask, rows)
 
     def _refuse(self, reqs: list[Request]) -> None:
         """Ends the requests whose grammar refused a token they kept (the mask allows
@@ -621,8 +612,8 @@ class Scheduler:
             req.append_token(token)
             new_tokens.append(token)
             if structured is not None:
-                # Its matcher accepts it before the request's next mask is filled (on
-                # the fill thread, with the next fill; see `_fill_masks`).
+                # Its matcher accepts it just before the request's next mask is
+                # filled, with the others' (see `_fill_masks`).
                 self._accepts.append((req, structured, token))
             if self._check_stop(req, token):
                 finished = True

@@ -2,8 +2,8 @@
 
 The usual step masks every sampling row, in the scheduler's order: its bitmask (pinned
 by the scheduler on CUDA) is copied to the device as it is, with one non-blocking copy
-and an event the scheduler waits for before it writes that buffer again; the rows are a
-device `arange` made once. Any other step (some rows unconstrained, another order, an
+and the scheduler waits for the step's own completion event before it writes that
+buffer again; the rows are a device `arange` made once. Any other step (some rows unconstrained, another order, an
 unpinned bitmask) goes through one of two pinned slots: its rows are gathered there
 with numpy, then copied; a slot is written again only once the copy that read it has
 run (an event each). numpy, not torch, does the host copies: a torch CPU op at this size
@@ -47,11 +47,11 @@ class MaskStaging:
 
     def to_device(
         self, masks: torch.Tensor, mask_rows: list[int] | None, logit_rows: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(logits rows, their masks) on the device: row `logit_rows[i]` of the logits
-        takes `masks[mask_rows[i]]` (`mask_rows` None: `masks[i]`); and, when `masks`
-        itself was read by a copy still to run, the event recorded after it (a fresh
-        one: `masks` must not be written before it has passed)."""
+        takes `masks[mask_rows[i]]` (`mask_rows` None: `masks[i]`); and whether `masks`
+        itself is read by a copy still to run (then it must not be written before an
+        event recorded after this on the current stream has passed)."""
         n, words = len(logit_rows), masks.shape[1]
         if words != self._words or n > self.capacity:
             self._make(max(self.capacity, n), words)
@@ -75,8 +75,4 @@ class MaskStaging:
                 slot.rows_np[:n] = logit_rows
                 self._dev_rows[:n].copy_(slot.rows[:n], non_blocking=True)
             slot.copied.record()
-        read = None
-        if direct:
-            read = torch.cuda.Event()
-            read.record()
-        return (self._arange[:n] if in_order else self._dev_rows[:n]), dev_masks, read
+        return (self._arange[:n] if in_order else self._dev_rows[:n]), dev_masks, direct

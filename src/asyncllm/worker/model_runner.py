@@ -383,20 +383,25 @@ class ModelRunner:
         """Queues the rest of a launched step: the grammar masks, the sampling, prompt
         logprobs and the copies to the host."""
         result.finish = None
-        if so.grammar_bitmask is not None:
-            self._apply_grammar_bitmask(so, inputs, logits)
-        groups, sample_failed = self._sample(inputs, logits)
-        del logits
-        prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)
+        done = torch.cuda.Event() if self.device.type == "cuda" else None
+        if so.grammar_bitmask is not None and self._apply_grammar_bitmask(so, inputs, logits):
+            # A copy still to run reads the scheduler's bitmask: it writes that buffer
+            # again once this step's event has passed, recorded even if the rest fails.
+            so.grammar_bitmask_copied = done
+        try:
+            groups, sample_failed = self._sample(inputs, logits)
+            del logits
+            prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)
+        finally:
+            if done is not None:
+                done.record()
         self.input_batch.num_computed_tokens[inputs.rows] = inputs.seq_lens  # now cached
         for rid in sample_failed:
             self._drop(rid)
             prompt_logprobs.pop(rid, None)
         result._failed.update(sample_failed)
         result._groups, result._prompt_logprobs = groups, prompt_logprobs
-        if self.device.type == "cuda":
-            result._done = torch.cuda.Event()
-            result._done.record()
+        result._done = done
 
     def apply_results_through(self, result: StepResult | None) -> None:
         """Applies the results in flight, oldest first, up to `result` (None: all)."""
@@ -637,10 +642,11 @@ class ModelRunner:
 
     def _apply_grammar_bitmask(
         self, so: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor
-    ) -> None:
+    ) -> bool:
         """Masks the logits of the structured-output requests that sample this step with
-        their rows of the scheduler's bitmask (on the device). Nothing here waits for
-        the device: on CUDA the bitmask is pinned and copied without a sync (MaskStaging)."""
+        their rows of the scheduler's bitmask (on the device); whether the bitmask is
+        read by a copy still to run. Nothing here waits for the device: on CUDA the
+        bitmask is pinned and copied without a sync (MaskStaging)."""
         states = inputs.states
         sampled = [states[i].req_id for i in inputs.samples]
         if sampled == so.structured_req_ids:  # (the usual step: every row, in order)
@@ -656,18 +662,20 @@ class ModelRunner:
                     mask_rows.append(j)
             in_order = mask_rows == list(range(len(mask_rows)))
         if not logit_rows:
-            return
+            return False
         masks = so.grammar_bitmask
+        read_later = False
         if self.device.type == "cuda":
             if self._mask_staging is None:
                 self._mask_staging = MaskStaging(self.config.scheduler.max_num_seqs, self.device)
-            rows, masks, so.grammar_bitmask_copied = self._mask_staging.to_device(
+            rows, masks, read_later = self._mask_staging.to_device(
                 masks, None if in_order else mask_rows, logit_rows
             )
         else:
             rows = torch.tensor(logit_rows, dtype=torch.int64)
             masks = masks[: len(mask_rows)] if in_order else masks[mask_rows]
         ops.apply_token_bitmask(logits, rows, masks)
+        return read_later
 
     def _sample(
         self, inputs: StepInputs, logits: torch.Tensor
