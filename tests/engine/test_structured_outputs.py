@@ -69,17 +69,20 @@ def _check_json(text: str, schema) -> None:
 GREEDY: dict[bool, list[list[int]]] = {}  # async_scheduling -> the first test's token ids
 
 
+@pytest.fixture(scope="module")
+def sync_engine():
+    """An engine without async scheduling, its core in this process (the shared engine
+    covers the core's own process)."""
+    with LLM(device="cpu", max_model_len=512, async_scheduling=False, multiprocess=False) as llm:
+        yield llm
+
+
 @pytest.fixture(scope="module", params=[True, False], ids=["async", "sync"])
 def engine(request):
     """The suite's shared engine (async scheduling, its default), or one without."""
-    if request.param:
-        shared = request.getfixturevalue("llm")
-        assert _async(shared)
-        yield shared
-        return
-    llm = LLM(device="cpu", max_model_len=512, async_scheduling=False)
-    yield llm
-    llm.shutdown()
+    llm = request.getfixturevalue("llm" if request.param else "sync_engine")
+    assert _async(llm) == request.param
+    return llm
 
 
 def _async(llm: LLM) -> bool:
@@ -245,7 +248,7 @@ async def test_64_concurrent_streams_with_cancellations(allm):
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
-def test_a_grammar_that_fails_in_the_core_ends_only_its_request(monkeypatch):
+def test_a_grammar_that_fails_in_the_core_ends_only_its_request(sync_engine, monkeypatch):
     """A request straight to the core (past the frontend's check) whose regex cannot
     compile gets an error output; so does one whose matcher refuses a token it sampled
     (made to, here: the mask never allows such a token); the request beside them
@@ -262,30 +265,26 @@ def test_a_grammar_that_fails_in_the_core_ends_only_its_request(monkeypatch):
         return refused + [req for req, _, _ in accepts if req.request_id == "refused"]
 
     monkeypatch.setattr(StructuredOutputManager, "accept", refusing_accept)
-    llm = LLM(device="cpu", max_model_len=256, multiprocess=False)
-    core = llm.engine.client.core
-    try:
+    core = sync_engine.engine.client.core
 
-        def request(rid, so):
-            params = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=so)
-            return EngineCoreRequest(rid, [1, 2, 3, 4], params, 2, 8, time.monotonic())
+    def request(rid, so):
+        params = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=so)
+        return EngineCoreRequest(rid, [1, 2, 3, 4], params, 2, 8, time.monotonic())
 
-        core.add_request(request("bad", S(regex="(unclosed")))
-        core.add_request(request("good", S(choice=CHOICES)))
-        core.add_request(request("refused", S(choice=CHOICES)))
-        outs: dict[str, list] = {"bad": [], "good": [], "refused": []}
-        for _ in range(200):
-            if not core.has_unfinished_requests():
-                break
-            for o in core.step().outputs:
-                outs[o.request_id].append(o)
-        assert outs["bad"][-1].error is not None and "compiled" in outs["bad"][-1].error.message
-        assert outs["good"][-1].finish_reason == "stop" and outs["good"][-1].error is None
-        refused = outs["refused"][-1]
-        assert refused.error is not None and "breaks its grammar" in refused.error.message
-        assert core.kv_cache_manager.num_free_blocks == core.num_blocks
-    finally:
-        llm.shutdown()
+    core.add_request(request("bad", S(regex="(unclosed")))
+    core.add_request(request("good", S(choice=CHOICES)))
+    core.add_request(request("refused", S(choice=CHOICES)))
+    outs: dict[str, list] = {"bad": [], "good": [], "refused": []}
+    for _ in range(200):
+        if not core.has_unfinished_requests():
+            break
+        for o in core.step().outputs:
+            outs[o.request_id].append(o)
+    assert outs["bad"][-1].error is not None and "compiled" in outs["bad"][-1].error.message
+    assert outs["good"][-1].finish_reason == "stop" and outs["good"][-1].error is None
+    refused = outs["refused"][-1]
+    assert refused.error is not None and "breaks its grammar" in refused.error.message
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks
 
 
 def test_the_bitmask_masks_what_a_plain_loop_says():

@@ -10,6 +10,7 @@ it on the device; each token the request keeps advances its matcher.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,6 +56,7 @@ Accepts = list[tuple[Any, StructuredRequest, int]]
 Rows = list[tuple[int, StructuredRequest]]
 
 
+@functools.cache
 def _batch_accept() -> Any:
     """xgrammar's batch accept, (matchers, tokens) -> their results (1 or True:
     accepted), straight from its core: the public wrapper turns the results into a list
@@ -106,7 +108,6 @@ class StructuredOutputManager:
         self._fill_queue: list[tuple[FillJob, Any, Rows] | None] = []
         self._job: FillJob | None = None  # the fill thread's last job
         self._stop_token_ids: frozenset[int] = frozenset()
-        self._accept_batch: Any = None  # (see _batch_accept)
 
     def _get_compiler(self) -> Any:
         with self._lock:  # (built once, by the first compilation)
@@ -154,9 +155,7 @@ class StructuredOutputManager:
         matchers = [r.matcher for _, r, _ in accepts]
         if len({id(m) for m in matchers}) < len(matchers):  # (a matcher twice: in order)
             return [key for key, r, t in accepts if not r.accept(t)]
-        if self._accept_batch is None:
-            self._accept_batch = _batch_accept()
-        ok = self._accept_batch(matchers, [t for *_, t in accepts])
+        ok = _batch_accept()(matchers, [t for *_, t in accepts])
         if 0 not in ok:
             return []
         return [a[0] for a, good in zip(accepts, list(ok)) if not good]

@@ -1,13 +1,14 @@
 """The grammar bitmask's way to the device, without a sync or a per-step allocation.
 
 The usual step masks every sampling row, in the scheduler's order: its bitmask (pinned
-by the scheduler on CUDA) is copied to the device as it is, with one non-blocking copy
-and the scheduler waits for the step's own completion event before it writes that
-buffer again; the rows are a device `arange` made once. Any other step (some rows unconstrained, another order, an
-unpinned bitmask) goes through one of two pinned slots: its rows are gathered there
-with numpy, then copied; a slot is written again only once the copy that read it has
-run (an event each). numpy, not torch, does the host copies: a torch CPU op at this size
-wakes its thread pool, which costs more than the copy.
+by the scheduler on CUDA) is copied to the device as it is, with one non-blocking copy,
+and the scheduler writes that buffer again once the step's own completion event has
+passed; the rows are a device `arange` made once. Any other step (some rows
+unconstrained, another order, an unpinned bitmask) goes through one of two pinned
+slots: its rows are gathered there with numpy, then copied; a slot is written again
+only once the copy that read it has run (an event each). numpy, not torch, does the
+host copies: a torch CPU op at this size wakes its thread pool, which costs more than
+the copy.
 """
 
 from __future__ import annotations
