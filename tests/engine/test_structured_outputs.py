@@ -311,7 +311,7 @@ def test_the_bitmask_masks_what_a_plain_loop_says():
 def test_a_bitmask_buffer_is_written_again_only_after_its_copy_ran():
     """The scheduler's two bitmask buffers alternate; before one is given to a new step,
     the manager waits for the event the runner recorded after copying it for its last
-    step (a step the runner copied synchronously has none)."""
+    step, unless it has run (a step the runner copied synchronously has none)."""
     from types import SimpleNamespace
 
     from asyncllm.structured.manager import StructuredOutputManager
@@ -319,8 +319,11 @@ def test_a_bitmask_buffer_is_written_again_only_after_its_copy_ran():
     waited: list[str] = []
 
     class Copied:
-        def __init__(self, name: str) -> None:
-            self.name = name
+        def __init__(self, name: str, done: bool = False) -> None:
+            self.name, self.done = name, done
+
+        def query(self) -> bool:
+            return self.done
 
         def synchronize(self) -> None:
             waited.append(self.name)
@@ -335,6 +338,9 @@ def test_a_bitmask_buffer_is_written_again_only_after_its_copy_ran():
     again = manager.allocate_bitmask(2, steps[2])  # the first buffer, after its copy
     assert waited == ["first"] and again.data_ptr() == a.data_ptr()
     manager.allocate_bitmask(2, steps[3])  # its last step was copied synchronously
+    assert waited == ["first"]
+    steps[2].grammar_bitmask_copied = Copied("third", done=True)
+    manager.allocate_bitmask(2, steps[0])  # (its copy has run: nothing to wait for)
     assert waited == ["first"]
 
 

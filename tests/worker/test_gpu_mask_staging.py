@@ -43,3 +43,29 @@ def test_to_device_equals_plain_indexing(pinned, mask_rows, logit_rows):
         # Read by a pending copy exactly when the host bitmask goes as it is
         assert read == (pinned and mask_rows is None)
         done.synchronize()
+
+
+def test_apply_graphed_equals_the_reference_each_replay():
+    """The graph of the copy and the kernel reads its bitmask anew at each replay (two
+    pinned sources taken in turn, as the scheduler's), and masks like the reference;
+    an unpinned bitmask is refused, touching nothing."""
+    from asyncllm_kernels.reference import apply_token_bitmask_ref
+
+    vocab, rows = 32 * WORDS - 5, 6
+    staging = MaskStaging(4, torch.device("cuda"))
+    logits = torch.empty(8, vocab, device="cuda")  # (a fixed buffer, as the graphs' logits)
+    sources = [_bitmask(rows, 100 + k, pinned=True) for k in range(2)]
+    for step in range(6):
+        src = sources[step % 2]
+        src.copy_(_bitmask(rows, step, pinned=False))  # (the fill writes it in place)
+        base = torch.randn(8, vocab, generator=torch.Generator().manual_seed(step))
+        logits.copy_(base)
+        assert staging.apply_graphed(src, logits[:rows])
+        want = base.clone()
+        apply_token_bitmask_ref(want, torch.arange(rows), src.clone())
+        torch.cuda.synchronize()
+        assert torch.equal(logits.cpu(), want)
+    assert len(staging._graphs) == 2
+    logits.copy_(base)
+    assert not staging.apply_graphed(_bitmask(rows, 9, pinned=False), logits[:rows])
+    assert torch.equal(logits.cpu(), base)

@@ -648,8 +648,24 @@ class ModelRunner:
         read by a copy still to run. Nothing here waits for the device: on CUDA the
         bitmask is pinned and copied without a sync (MaskStaging)."""
         states = inputs.states
-        sampled = [states[i].req_id for i in inputs.samples]
+        if len(inputs.samples) == len(states):
+            sampled = [s.req_id for s in states]
+        else:
+            sampled = [states[i].req_id for i in inputs.samples]
+        masks = so.grammar_bitmask
+        staging = self._mask_staging
+        if self.device.type == "cuda" and staging is None:
+            staging = self._mask_staging = MaskStaging(
+                self.config.scheduler.max_num_seqs, self.device
+            )
         if sampled == so.structured_req_ids:  # (the usual step: every row, in order)
+            if (
+                staging is not None
+                and self.graph_logits is not None
+                and logits.data_ptr() == self.graph_logits.data_ptr()
+                and staging.apply_graphed(masks, logits)
+            ):
+                return True  # (a decode graph's logits: masked by a graph of its own)
             logit_rows, in_order = list(range(len(sampled))), True
             mask_rows = logit_rows
         else:
@@ -663,12 +679,9 @@ class ModelRunner:
             in_order = mask_rows == list(range(len(mask_rows)))
         if not logit_rows:
             return False
-        masks = so.grammar_bitmask
         read_later = False
-        if self.device.type == "cuda":
-            if self._mask_staging is None:
-                self._mask_staging = MaskStaging(self.config.scheduler.max_num_seqs, self.device)
-            rows, masks, read_later = self._mask_staging.to_device(
+        if staging is not None:
+            rows, masks, read_later = staging.to_device(
                 masks, None if in_order else mask_rows, logit_rows
             )
         else:

@@ -1,0 +1,153 @@
+"""When each part of a constrained decode step runs, on the step's thread and on the
+structured manager's fill thread: the median start and end (µs from the step's start)
+of each timed function over `--steps` decode steps, at one batch size.
+
+The engine runs in this process (`multiprocess=False`); every request is constrained by
+the benchmarks' JSON schema (an array of short strings). Functions are wrapped, not
+changed; a function that runs more than once a step is listed once per call.
+
+    python benchmarks/structured_timeline.py --device cuda --model DIR --load-format dummy
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import random
+import statistics
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+from asyncllm import LLM, SamplingParams, StructuredOutputsParams
+from asyncllm.bench.common import ARRAY_SCHEMA, add_engine_args, engine_kwargs
+
+EVENTS: list[tuple[str, str, float, float]] = []  # (name, thread, start, end)
+
+
+def wrap(obj: Any, name: str, label: str, static: bool = False) -> None:
+    fn = getattr(obj, name)
+
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            EVENTS.append((label, threading.current_thread().name, t0, time.perf_counter()))
+
+    setattr(obj, name, staticmethod(timed) if static else timed)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_engine_args(ap, device="cuda", dtype="bfloat16")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--free", action="store_true", help="no constraint, for comparison")
+    ap.add_argument("--sync-fill", action="store_true", help="fill on the step's thread")
+    args = ap.parse_args()
+    kwargs = engine_kwargs(args)
+    kwargs.setdefault("max_num_seqs", args.batch)
+    kwargs.setdefault("max_model_len", 512)
+    llm = LLM(multiprocess=False, **kwargs)
+    from asyncllm.engine.serial import Encoder
+    from asyncllm.structured.manager import FillJob, StructuredOutputManager
+    from asyncllm.worker.model_runner import StepResult
+
+    engine = llm.engine
+    core = engine.client.core
+    runner = core.executor.worker.runner
+    rng = random.Random(0)
+    params = SamplingParams(
+        temperature=0.0,
+        ignore_eos=True,
+        max_tokens=args.steps + 16,
+        structured_outputs=None if args.free else StructuredOutputsParams(json=ARRAY_SCHEMA),
+    )
+    for _ in range(args.batch):
+        prompt = [rng.randint(0, 4000) for _ in range(64)]
+        engine.add_request(engine.next_request_id(), {"prompt_token_ids": prompt}, params)
+    for _ in range(12):
+        engine.step()  # prefills, warm decode steps
+    sched, struct = core.scheduler, core.structured
+    if args.sync_fill:
+
+        def start_fill(bitmask: Any, rows: Any) -> FillJob:
+            struct.fill_bitmask(bitmask, rows)
+            job = FillJob()
+            job.done.set()
+            return job
+
+        struct.start_fill = start_fill
+    import torch
+
+    from asyncllm.sample import ops, sampler
+    from asyncllm.worker import model_runner as mr
+    from asyncllm.worker.input_batch import InputBatch
+    from asyncllm.worker.mask_staging import MaskStaging
+    from asyncllm.worker.sampling_state import SamplingState
+
+    wrap(struct, "allocate_bitmask", "allocate_bitmask")
+    if torch.cuda.is_available():
+        wrap(torch.cuda.Event, "synchronize", "event_sync")
+        wrap(torch.cuda.Event, "query", "event_query")
+    wrap(MaskStaging, "to_device", "mask_to_device")
+    wrap(ops, "apply_token_bitmask", "mask_kernel")
+    wrap(sampler.Sampler, "__call__", "sampler")
+    wrap(SamplingState, "metadata", "sampling_metadata")
+    wrap(SamplingState, "record_sampled", "record_sampled")
+    wrap(mr, "_to_host", "to_host")
+    wrap(InputBatch, "take_sampled_tokens", "take_sampled")
+    wrap(sched, "_build_output", "build_output")
+    wrap(sched, "_schedule_running", "schedule_running")
+    wrap(sched, "schedule", "schedule")
+    wrap(sched, "update_from_output", "update")
+    wrap(sched, "fill_grammar_bitmask", "fill_grammar_bitmask")
+    wrap(struct, "accept", "accept")
+    wrap(struct, "start_fill", "start_fill")
+    wrap(StructuredOutputManager, "_fill", "xgrammar_fill", static=True)
+    wrap(FillJob, "wait", "fill_wait")
+    wrap(runner, "_apply_grammar_bitmask", "mask")
+    wrap(runner, "_sample", "sample")
+    wrap(runner, "_update_states", "update_states")
+    wrap(runner, "_prepare_inputs", "prepare_inputs")
+    wrap(runner, "_run_model", "forward")
+    wrap(StepResult, "apply", "result_wait")
+    encoder = Encoder()
+    wrap(encoder, "encode", "encode")
+    starts = []
+    for _ in range(args.steps):
+        starts.append(time.perf_counter())
+        encoder.encode(core.step())
+    starts.append(time.perf_counter())
+    per: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    calls: dict[tuple[int, str], int] = defaultdict(int)  # (step, name@thread) -> calls so far
+    for name, thread, t0, t1 in sorted(EVENTS, key=lambda e: e[2]):
+        i = next((i for i in range(args.steps) if starts[i] <= t0 < starts[i + 1]), None)
+        if i is None or i < 5:  # (the first steps after wrapping left out)
+            continue
+        key = f"{name}@{thread}"
+        k = calls[i, key]
+        calls[i, key] += 1
+        per[f"{key}#{k}"].append(((t0 - starts[i]) * 1e6, (t1 - starts[i]) * 1e6))
+    step = statistics.median(b - a for a, b in zip(starts[5:-1], starts[6:])) * 1e6
+    print(f"batch {args.batch}: median step {step:.0f} µs")
+    rows = []
+    for key, spans in per.items():
+        rows.append(
+            (
+                statistics.median(a for a, _ in spans),
+                statistics.median(b for _, b in spans),
+                key,
+                len(spans),
+            )
+        )
+    for a, b, key, n in sorted(rows):
+        print(f"{a:8.0f} {b:8.0f} {b - a:7.0f}  {key}  (n={n})")
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
