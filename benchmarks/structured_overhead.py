@@ -4,10 +4,12 @@ and applying it to the logits (asyncllm.sample.ops.apply_token_bitmask; in the m
 runner), at batch 1 and 32, the embedded SmolLM2's vocabulary, a JSON schema, matchers
 advanced along a valid output (the sample text where the grammar allows it) so the
 masks are those of real steps. "fill" is the engine's (`StructuredOutputManager.
-fill_bitmask`: one xgrammar call, ASYNCLLM_GRAMMAR_THREADS threads); "one call" fills
+fill_bitmask`: one xgrammar call in the grammar process, ASYNCLLM_GRAMMAR_THREADS threads,
+and the round trip to it); "one call" fills
 every row in one call to xgrammar's BatchGrammarMatcher with one thread, "threads" with
-its default thread count; "accept" is every matcher accepting its next token (the
-engine's `StructuredOutputManager.accept`: one call, before the next fill).
+its default thread count (both with matchers of this process); "accept" is every matcher
+accepting its next token (the engine's `StructuredOutputManager.accept`: one call in the
+grammar process and the round trip).
 
     python benchmarks/structured_overhead.py [--batch 1 32] [--steps 64] [--model DIR]
 """
@@ -77,14 +79,16 @@ def main() -> None:
         for r in reqs:
             r.future.result()
             r.ready()
+        # (xgrammar's own matchers, here, for the one-call and threads columns)
+        local = [xgrammar.GrammarMatcher(r.future.result()) for r in reqs]
         fills, one_calls, threaded_fills, applies, accepts = [], [], [], [], []
         logits = torch.randn(batch, vocab)
         idx = torch.arange(batch)
         for step in range(args.steps):
-            if reqs[0].matcher.is_terminated():
+            if local[0].is_terminated():
                 break
             bitmask = manager.allocate_bitmask(batch)
-            matchers = [r.matcher for r in reqs]
+            matchers = local
             for batcher, times in ((one_call, one_calls), (threaded, threaded_fills)):
                 t0 = time.perf_counter()
                 batcher.batch_fill_next_token_bitmask(matchers, bitmask)
@@ -104,7 +108,7 @@ def main() -> None:
             t0 = time.perf_counter()
             refused = manager.accept([(i, r, token) for i, r in enumerate(reqs)])
             accepts.append(time.perf_counter() - t0)
-            assert not refused
+            assert not refused and all(m.accept_token(token) for m in local)
         print(f"  ({len(fills)} steps)")
         fill, apply = statistics.median(fills) * 1e6, statistics.median(applies) * 1e6
         one, many = statistics.median(one_calls) * 1e6, statistics.median(threaded_fills) * 1e6

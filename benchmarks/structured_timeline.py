@@ -1,6 +1,7 @@
-"""When each part of a constrained decode step runs, on the step's thread and on the
-structured manager's fill thread: the median start and end (µs from the step's start)
-of each timed function over `--steps` decode steps, at one batch size.
+"""When each part of a constrained decode step runs on the engine core's step thread:
+the median start and end (µs from the step's start) of each timed function over
+`--steps` decode steps, at one batch size (the grammar process's accepts and fill show
+as the wait for them, `fill_wait`).
 
 The engine runs in this process (`multiprocess=False`); every request is constrained by
 the benchmarks' JSON schema (an array of short strings). Functions are wrapped, not
@@ -19,6 +20,8 @@ import threading
 import time
 from collections import defaultdict
 from typing import Any
+
+import torch
 
 from asyncllm import LLM, SamplingParams, StructuredOutputsParams
 from asyncllm.bench.common import ARRAY_SCHEMA, add_engine_args, engine_kwargs
@@ -46,14 +49,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--free", action="store_true", help="no constraint, for comparison")
-    ap.add_argument("--sync-fill", action="store_true", help="fill on the step's thread")
     args = ap.parse_args()
     kwargs = engine_kwargs(args)
     kwargs.setdefault("max_num_seqs", args.batch)
     kwargs.setdefault("max_model_len", 512)
     llm = LLM(multiprocess=False, **kwargs)
     from asyncllm.engine.serial import Encoder
-    from asyncllm.structured.manager import FillJob, StructuredOutputManager
+    from asyncllm.structured.manager import FillJob
     from asyncllm.worker.model_runner import StepResult
 
     engine = llm.engine
@@ -72,17 +74,6 @@ def main() -> None:
     for _ in range(12):
         engine.step()  # prefills, warm decode steps
     sched, struct = core.scheduler, core.structured
-    if args.sync_fill:
-
-        def start_fill(bitmask: Any, rows: Any) -> FillJob:
-            struct.fill_bitmask(bitmask, rows)
-            job = FillJob()
-            job.done.set()
-            return job
-
-        struct.start_fill = start_fill
-    import torch
-
     from asyncllm.sample import ops, sampler
     from asyncllm.worker import model_runner as mr
     from asyncllm.worker.input_batch import InputBatch
@@ -107,7 +98,6 @@ def main() -> None:
     wrap(sched, "fill_grammar_bitmask", "fill_grammar_bitmask")
     wrap(struct, "accept", "accept")
     wrap(struct, "start_fill", "start_fill")
-    wrap(StructuredOutputManager, "_fill", "xgrammar_fill", static=True)
     wrap(FillJob, "wait", "fill_wait")
     wrap(runner, "_apply_grammar_bitmask", "mask")
     wrap(runner, "_sample", "sample")

@@ -256,15 +256,15 @@ def test_a_grammar_that_fails_in_the_core_ends_only_its_request(sync_engine, mon
     import time
 
     from asyncllm.messages import EngineCoreRequest
-    from asyncllm.structured.manager import StructuredOutputManager
+    from asyncllm.structured.manager import FillJob
 
-    accept = StructuredOutputManager.accept
+    wait = FillJob.wait
 
-    def refusing_accept(self, accepts):
-        refused = accept(self, accepts)
-        return refused + [req for req, _, _ in accepts if req.request_id == "refused"]
+    def refusing_wait(self):  # (a step's accepts: their keys are the requests)
+        refused = wait(self)
+        return refused + [req for req in self._keys if req.request_id == "refused"]
 
-    monkeypatch.setattr(StructuredOutputManager, "accept", refusing_accept)
+    monkeypatch.setattr(FillJob, "wait", refusing_wait)
     core = sync_engine.engine.client.core
 
     def request(rid, so):
@@ -377,9 +377,10 @@ def test_properties_are_generated_in_the_schema_order(llm):
 
 
 def test_matchers_accept_a_steps_tokens_at_once_and_name_each_refused_one():
-    """The batched accept before a fill (one xgrammar call) says which tokens their
-    grammar refused; a matcher with two tokens takes them in order; a refused token
-    leaves no trace, and the mask then allows what the grammar does."""
+    """In the grammar process: the batched accept before a fill (one xgrammar call) says
+    which tokens their grammar refused; a matcher with two tokens takes them in order; a
+    refused token leaves no trace, and the mask then allows what the grammar does. A step
+    sent with its accepts and fill at once gives the refused keys when waited for."""
     from transformers import AutoTokenizer
 
     from asyncllm.model.source import embedded_model_path
@@ -387,7 +388,7 @@ def test_matchers_accept_a_steps_tokens_at_once_and_name_each_refused_one():
 
     path = str(embedded_model_path())
     tok = AutoTokenizer.from_pretrained(path)
-    manager = StructuredOutputManager(path, vocab_size=len(tok))
+    manager = StructuredOutputManager(path, vocab_size=len(tok), max_rows=4)
     try:
         a, b, c = (manager.request(S(regex=r"[0-9]+")) for _ in range(3))
         a.future.result()
@@ -397,11 +398,39 @@ def test_matchers_accept_a_steps_tokens_at_once_and_name_each_refused_one():
         assert manager.accept([("a", a, seven), ("a2", a, x), ("c", c, seven)]) == ["a2"]
         assert manager.accept([("b", b, seven)]) == []
         bitmask = manager.allocate_bitmask(3)
-        job = manager.start_fill(bitmask, [(0, a), (1, b), (2, c)])
-        job.wait()
+        bitmask.fill_(0)
+        job = manager.start_fill(bitmask, [(0, a), (1, b), (2, c)], [("c", c, x)])
+        assert job.wait() == ["c"]
         allowed = [
             [(int(bitmask[i, t // 32]) >> (t % 32)) & 1 for t in (seven, x)] for i in range(3)
         ]
         assert allowed == [[1, 0]] * 3
+        with pytest.raises(ValueError, match="max_rows"):
+            manager.allocate_bitmask(5)
+    finally:
+        manager.shutdown()
+
+
+def test_a_dead_grammar_process_fails_the_step_with_a_clear_error():
+    """If the grammar process ends, the next step that needs it raises RuntimeError
+    saying so (no wait without end)."""
+    from transformers import AutoTokenizer
+
+    from asyncllm.model.source import embedded_model_path
+    from asyncllm.structured.manager import StructuredOutputManager
+
+    path = str(embedded_model_path())
+    manager = StructuredOutputManager(path, vocab_size=len(AutoTokenizer.from_pretrained(path)))
+    try:
+        a = manager.request(S(regex=r"[0-9]+"))
+        a.future.result()
+        assert a.ready()
+        bitmask = manager.allocate_bitmask(1)
+        manager.fill_bitmask(bitmask, [(0, a)])
+        assert manager._process is not None
+        manager._process.proc.kill()
+        manager._process.proc.wait()
+        with pytest.raises(RuntimeError, match="grammar process has ended"):
+            manager.fill_bitmask(bitmask, [(0, a)])
     finally:
         manager.shutdown()

@@ -516,9 +516,9 @@ class Scheduler:
     def fill_grammar_bitmask(self, sched: SchedulerOutput, wait: bool = True) -> FillJob | None:
         """Fills the bitmask `masks_due(sched)` left empty, from each request's matcher
         as it is now. A request that ended or was preempted since keeps an all-allowing
-        row: the token it samples is dropped anyway. `wait=False`: the fill runs on the
-        structured manager's thread, and the returned job (None: nothing to fill) must
-        be waited for before `sched` samples and before any matcher moves on."""
+        row: the token it samples is dropped anyway. `wait=False`: the returned job (None:
+        nothing to fill) runs in the grammar process while the caller goes on, and must
+        be waited for (`finish_fill`) before `sched` samples."""
         structured = self._masks_due.pop(id(sched), None)
         if structured is None:
             return None
@@ -528,10 +528,10 @@ class Scheduler:
         self, sched: SchedulerOutput, structured: list[Request], wait: bool = True
     ) -> FillJob | None:
         """The matchers accept the tokens kept since the last fill, then the bitmask's
-        rows are filled: here (`wait`), or on the structured manager's thread."""
+        rows are filled, in the grammar process; waited for here (`wait`), or by
+        `finish_fill`."""
         assert self.structured is not None  # (it made their constraints)
         accepts, self._accepts = self._accepts, []
-        self._refuse(self.structured.accept(accepts))
         running = RequestStatus.RUNNING
         rows = []
         for row, req in enumerate(structured):
@@ -539,10 +539,16 @@ class Scheduler:
                 rows.append((row, req.structured))
             else:
                 sched.grammar_bitmask.numpy()[row] = -1  # (allows all: its token is dropped)
+        job = self.structured.start_fill(sched.grammar_bitmask, rows, accepts)
         if wait:
-            self.structured.fill_bitmask(sched.grammar_bitmask, rows)
+            self._refuse(job.wait())
             return None
-        return self.structured.start_fill(sched.grammar_bitmask, rows)
+        return job
+
+    def finish_fill(self, job: FillJob) -> None:
+        """Waits for a fill `fill_grammar_bitmask(wait=False)` started, and ends the
+        requests whose grammar refused one of the tokens it accepted."""
+        self._refuse(job.wait())
 
     def _refuse(self, reqs: list[Request]) -> None:
         """Ends the requests whose grammar refused a token they kept (the mask allows

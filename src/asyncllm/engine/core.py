@@ -58,6 +58,7 @@ class EngineCore:
             None if config.skip_tokenizer_init else config.model.tokenizer,
             self.vocab_size or 0,
             pin_memory=config.model.device.type == "cuda",
+            max_rows=config.scheduler.max_num_seqs,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.structured)
         self._block_hasher = BlockHasher(cache.block_size) if cache.enable_prefix_caching else None
@@ -176,8 +177,8 @@ class EngineCore:
         # then apply the oldest: each call ends with one step's results. A step whose
         # grammar masks need the tokens in flight applies those steps first, then fills
         # its masks, and is the last launched by this call. Where the launch splits,
-        # that fill runs on the structured manager's thread while this call returns and
-        # the next one schedules; the step samples once it is done (`_finish_fill`).
+        # that fill runs in the grammar process while this call returns and the next
+        # one schedules; the step samples once it is done (`_finish_fill`).
         while self.scheduler.has_unfinished_requests() and len(self._in_flight) < self._depth:
             sched = self.scheduler.schedule()
             outputs.extend(self.scheduler.take_error_outputs())
@@ -229,7 +230,7 @@ class EngineCore:
             self._filling = None
             try:
                 if job is not None:
-                    job.wait()
+                    self.scheduler.finish_fill(job)
             finally:
                 future.finish_launch()
 

@@ -3,51 +3,54 @@
 Grammars compile in a small thread pool, cached by key, so the step loop never waits for
 one while it has other work; a request waits in the scheduler until its grammar is
 ready, and a grammar that fails ends only that request. Each request gets its own
-matcher: before a step samples it, the scheduler fills its row of the token bitmask
-(bit t of a row set: token t may come next) and the model runner masks the logits with
-it on the device; each token the request keeps advances its matcher.
+matcher, in the grammar process (grammar_process.py: out of this process's GIL): before
+a step samples it, its matcher accepts the tokens the request kept, then fills its row
+of the token bitmask (bit t of a row set: token t may come next), which the model runner
+reads from memory the two processes share and applies to the logits on the device.
 """
 
 from __future__ import annotations
 
-import functools
-import sys
+import logging
+import mmap
+import os
+import tempfile
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 from asyncllm.envs import grammar_threads
 from asyncllm.sampling_params import StructuredOutputsParams
 from asyncllm.structured.grammar import GrammarKey, build_grammar, grammar_key, xgrammar_module
+from asyncllm.structured.grammar_process import GrammarProcess, buffer_bytes
+
+logger = logging.getLogger(__name__)
 
 
 class StructuredRequest:
-    """One request's constraint: its grammar (compiling, then compiled) and matcher."""
+    """One request's constraint: its grammar (compiling, then compiled) and, once it is
+    compiled, its matcher in the grammar process (`matcher_id`; let go with this)."""
 
-    __slots__ = ("future", "matcher")
+    __slots__ = ("future", "key", "matcher_id", "_manager", "__weakref__")
 
-    def __init__(self, future: Future[Any]) -> None:
+    def __init__(self, future: Future[Any], key: GrammarKey, manager: StructuredOutputManager):
         self.future = future
-        self.matcher: Any = None
+        self.key = key
+        self.matcher_id: int | None = None
+        self._manager = manager
 
     def ready(self) -> bool:
         """Whether the grammar is compiled (its matcher made) or failed."""
-        if self.matcher is None and self.future.done() and self.future.exception() is None:
-            import xgrammar
-
-            self.matcher = xgrammar.GrammarMatcher(self.future.result())
+        if self.matcher_id is None and self.future.done() and self.future.exception() is None:
+            self.matcher_id = self._manager._new_matcher(self)
         return self.future.done()
 
     def error(self) -> str | None:
         e = self.future.exception() if self.future.done() else None
         return None if e is None else f"{type(e).__name__}: {e}"
-
-    def accept(self, token: int) -> bool:
-        """Advances the matcher by a token the request keeps; False if the grammar does
-        not allow it (or has already ended)."""
-        return bool(self.matcher.accept_token(token))
 
 
 # Tokens matchers are still to accept, (key, request, token), oldest first; the key (the
@@ -56,58 +59,91 @@ Accepts = list[tuple[Any, StructuredRequest, int]]
 Rows = list[tuple[int, StructuredRequest]]
 
 
-@functools.cache
-def _batch_accept() -> Any:
-    """xgrammar's batch accept, (matchers, tokens) -> their results (1 or True:
-    accepted), straight from its core: the public wrapper turns the results into a list
-    with one FFI call per row, each giving up and taking back the GIL (~70 µs at 64)."""
-    try:
-        from xgrammar.base import _core
-
-        raw = _core.BatchGrammarMatcher.batch_accept_token
-    except (ImportError, AttributeError):  # (another layout: the public wrapper)
-        return xgrammar_module().BatchGrammarMatcher.batch_accept_token
-    return lambda matchers, tokens: raw([m._handle for m in matchers], tokens, False)
-
-
 class FillJob:
-    """A bitmask fill on the manager's fill thread; `wait()` returns once it is done
-    (raising what it raised)."""
+    """A step's accepts and bitmask fill in the grammar process; `wait()` returns once
+    they are done (raising RuntimeError if they failed), with the keys of the tokens the
+    grammars refused."""
 
-    __slots__ = ("done", "error")
+    __slots__ = ("_manager", "_keys", "_refused", "_error", "_done")
 
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.error: BaseException | None = None
+    def __init__(self, manager: StructuredOutputManager | None, keys: list[Any]) -> None:
+        self._manager, self._keys = manager, keys
+        self._refused: list[Any] = []
+        self._error: BaseException | None = None
+        self._done = manager is None
 
-    def wait(self) -> None:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
+    def wait(self) -> list[Any]:
+        if not self._done:
+            assert self._manager is not None
+            self._manager._answer(self)
+        if self._error is not None:
+            raise self._error
+        return self._refused
+
+
+class _Shared:
+    """The two bitmask buffers, in a memory-mapped file the grammar process maps too
+    (registered with CUDA as pinned memory where the runner copies from it)."""
+
+    def __init__(self, rows: int, words: int, pin: bool) -> None:
+        where = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.file: IO[bytes] = tempfile.TemporaryFile(dir=where)  # (no name: nothing leaks)
+        size = buffer_bytes(rows, words)
+        self.file.truncate(size)
+        self.map = mmap.mmap(self.file.fileno(), size)
+        both = torch.frombuffer(self.map, dtype=torch.int32).view(2, rows, words)
+        self.buffers = [both[0], both[1]]
+        self.pinned = False
+        if pin:
+            ok = torch.cuda.cudart().cudaHostRegister(both.data_ptr(), size, 0)
+            self.pinned = int(ok) == 0
+            if not self.pinned:
+                logger.warning("the bitmask buffers could not be pinned (error %s)", ok)
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.buffers[0].data_ptr())
+            self.pinned = False
+        self.buffers = []
+        try:
+            self.map.close()
+        except BufferError:  # (a view of a buffer is still held: the map goes with it)
+            pass
+        self.file.close()
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: str | None, vocab_size: int, pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: str | None,
+        vocab_size: int,
+        pin_memory: bool = False,
+        max_rows: int = 256,
+    ) -> None:
         self.tokenizer_path = tokenizer
         self.vocab_size = vocab_size
         self.pin_memory = pin_memory  # (CUDA: the runner copies the bitmask to the device as it is)
+        self.max_rows = max_rows  # (the scheduler's max_num_seqs: a step's bitmask rows at most)
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="asyncllm-grammar")
         self._lock = threading.Lock()
+        self._start_lock = threading.Lock()  # (the grammar process's start)
+        self._closed = False
         self._compiler: Any = None
+        self._tokenizer_info: Any = None
         self._cache: dict[GrammarKey, Future[Any]] = {}
-        # Two persistent bitmasks, taken in turn (see allocate_bitmask), and the step
-        # that used each last.
-        self._bitmasks: list[torch.Tensor] = []
+        self._stop_token_ids: frozenset[int] = frozenset()
+        # The bitmask buffers (made at the first allocate_bitmask or matcher), taken in
+        # turn, and the step that used each last.
+        self._shared: _Shared | None = None
         self._users: list[Any] = [None, None]
         self._next_bitmask = 0
-        self._batch: Any = None  # xgrammar's BatchGrammarMatcher, made at the first fill
-        # The fill thread (start_fill), made at its first job, with its own batch matcher
-        self._fill_thread: threading.Thread | None = None
-        self._fill_batch: Any = None
-        self._fill_cv = threading.Condition()
-        self._fill_queue: list[tuple[FillJob, Any, Rows] | None] = []
-        self._job: FillJob | None = None  # the fill thread's last job
-        self._stop_token_ids: frozenset[int] = frozenset()
+        # The grammar process (made with the first matcher), what it has been sent
+        self._process: GrammarProcess | None = None
+        self._grammar_ids: dict[GrammarKey, int] = {}
+        self._next_matcher = 0
+        self._new_matchers: list[list[int]] = []  # [matcher id, grammar id], to send
+        self._freed: list[int] = []  # matchers let go, to send
+        self._pending: FillJob | None = None  # the step sent whose answer is unread
 
     def _get_compiler(self) -> Any:
         with self._lock:  # (built once, by the first compilation)
@@ -120,11 +156,14 @@ class StructuredOutputManager:
                 tok = AutoTokenizer.from_pretrained(self.tokenizer_path)
                 info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size)
                 self._stop_token_ids = frozenset(info.stop_token_ids)
+                self._tokenizer_info = info
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2)
             return self._compiler
 
     def _compile(self, key: GrammarKey) -> Any:
-        return self._get_compiler().compile_grammar(build_grammar(key))
+        compiled = self._get_compiler().compile_grammar(build_grammar(key))
+        self._get_process()  # (its start, ~1-3 s, is the first grammar's, not the step's)
+        return compiled
 
     def request(self, so: StructuredOutputsParams) -> StructuredRequest:
         """A constraint for a new request; its grammar compiles in the background (once
@@ -133,7 +172,7 @@ class StructuredOutputManager:
         fut = self._cache.get(key)
         if fut is None or (fut.done() and fut.exception() is not None):
             fut = self._cache[key] = self._pool.submit(self._compile, key)
-        return StructuredRequest(fut)
+        return StructuredRequest(fut, key, self)
 
     @property
     def stop_token_ids(self) -> frozenset[int]:
@@ -141,117 +180,134 @@ class StructuredOutputManager:
         (set once a grammar has compiled)."""
         return self._stop_token_ids
 
+    # -- the grammar process ---------------------------------------------------------
+
+    def _words(self) -> int:
+        return -(-self.vocab_size // 32)
+
+    def _get_shared(self) -> _Shared:
+        with self._lock:
+            if self._shared is None:
+                self._shared = _Shared(self.max_rows, self._words(), self.pin_memory)
+            return self._shared
+
+    def _get_process(self) -> GrammarProcess:
+        """The grammar process, started by the first compilation (in the pool's thread;
+        the step's thread only sees requests whose grammar is compiled)."""
+        with self._start_lock:
+            if self._closed:
+                raise RuntimeError("the structured output manager has shut down")
+            if self._process is None:
+                shared = self._get_shared()
+                with tempfile.TemporaryFile() as info:  # (the child reads it by its fd)
+                    info.write(self._tokenizer_info.serialize_json().encode())
+                    info.flush()
+                    process = GrammarProcess(
+                        info.fileno(),
+                        shared.file.fileno(),
+                        self.max_rows,
+                        self._words(),
+                        grammar_threads(),
+                    )
+                    try:
+                        process.answer()  # (started: it has read the file, mapped ours)
+                    except RuntimeError:
+                        process.close()
+                        raise
+                self._process = process  # (only now: no step reads its first answer)
+            return self._process
+
+    def _new_matcher(self, req: StructuredRequest) -> int:
+        """A matcher for `req`'s compiled grammar, made in the grammar process with the
+        next message; the grammar is sent once per key."""
+        process = self._get_process()
+        gid = self._grammar_ids.get(req.key)
+        if gid is None:
+            gid = self._grammar_ids[req.key] = len(self._grammar_ids)
+            process.send(["grammar", gid, req.future.result().serialize_json()])
+        mid = self._next_matcher
+        self._next_matcher += 1
+        self._new_matchers.append([mid, gid])
+        weakref.finalize(req, self._freed.append, mid)
+        return mid
+
+    def _answer(self, job: FillJob) -> None:
+        """Reads the answers up to `job`'s (the steps are answered in order)."""
+        while not job._done:
+            pending = self._pending
+            assert pending is not None and self._process is not None
+            self._pending = None
+            pending._done = True
+            try:
+                refused = self._process.answer()
+                pending._refused = [pending._keys[i] for i in refused]
+            except RuntimeError as e:
+                pending._error = e
+
+    # -- a step's accepts and fill ---------------------------------------------------
+
+    def start_fill(self, bitmask: torch.Tensor | None, rows: Rows, accepts: Accepts) -> FillJob:
+        """Sends a step to the grammar process: the matchers accept `accepts` (in order),
+        then fill their rows of `bitmask` (one of `allocate_bitmask`'s) for `rows`
+        ((row, request) pairs), while the caller goes on. The caller must leave the
+        bitmask and these requests alone until `wait()`, which gives the refused keys."""
+        if not rows and not accepts:
+            return FillJob(None, [])
+        if self._pending is not None:
+            self._answer(self._pending)  # (its answer stays with it for its waiter)
+        process = self._get_process()
+        if self._new_matchers or self._freed:
+            new, self._new_matchers = self._new_matchers, []
+            freed, self._freed = self._freed, []
+            process.send(["matchers", new, freed])
+        k = 0
+        if rows:
+            assert bitmask is not None and self._shared is not None
+            k = [b.data_ptr() for b in self._shared.buffers].index(bitmask.data_ptr())
+        msg = ["step", [[r.matcher_id, t] for _, r, t in accepts], k]
+        msg.append([[i, r.matcher_id] for i, r in rows])
+        process.send(msg)
+        job = self._pending = FillJob(self, [key for key, _, _ in accepts])
+        return job
+
     def accept(self, accepts: Accepts) -> list[Any]:
-        """Advances the matchers by `accepts`, in order, in this thread (once a fill
-        thread's job is done: its matchers may be these); returns the keys of the tokens
-        their grammar refused. One xgrammar call (64 rows on the 2-core development
-        machine: 57 µs against 90 row by row for the H200 benchmarks' array schema, 176
-        against 182 for an object schema). Run here rather than on the fill thread: on
-        the H200 that was slower end to end (each FFI call there waits for the GIL,
-        which the step's thread holds)."""
-        if not accepts:
-            return []
-        self._wait_job()
-        matchers = [r.matcher for _, r, _ in accepts]
-        if len({id(m) for m in matchers}) < len(matchers):  # (a matcher twice: in order)
-            return [key for key, r, t in accepts if not r.accept(t)]
-        ok = _batch_accept()(matchers, [t for *_, t in accepts])
-        if 0 not in ok:
-            return []
-        return [a[0] for a, good in zip(accepts, list(ok)) if not good]
+        """Advances the matchers by `accepts`, in order, and waits; returns the keys of
+        the tokens their grammar refused."""
+        return self.start_fill(None, [], accepts).wait()
 
     def fill_bitmask(self, bitmask: torch.Tensor, rows: Rows) -> None:
         """Fills `bitmask`'s rows from their requests' matchers ((row, request) pairs),
-        in this thread once a fill thread's job is done. One xgrammar call, on one
-        thread unless ASYNCLLM_GRAMMAR_THREADS says otherwise: at 64 rows on a 16-core
-        host 306 µs, against 436 row by row and 776 on xgrammar's default threads."""
-        self._wait_job()
-        if self._batch is None:
-            self._batch = xgrammar_module().BatchGrammarMatcher(max_threads=grammar_threads())
-        self._fill(self._batch, bitmask, rows)
-
-    def _wait_job(self) -> None:
-        if self._job is not None:
-            self._job.done.wait()
-
-    @staticmethod
-    def _fill(batch: Any, bitmask: torch.Tensor, rows: Rows) -> None:
-        if rows:
-            matchers = [r.matcher for _, r in rows]
-            batch.batch_fill_next_token_bitmask(matchers, bitmask, [i for i, _ in rows])
-
-    def start_fill(self, bitmask: torch.Tensor, rows: Rows) -> FillJob:
-        """`fill_bitmask` on the fill thread, while the caller goes on; returns once the
-        job is under way. xgrammar's calls release the GIL, so the fill overlaps the
-        step's other host work; the caller must leave those matchers alone until
-        `wait()`."""
-        job = FillJob()
-        if not rows:
-            job.done.set()
-            return job
-        if self._fill_thread is None:
-            self._fill_batch = xgrammar_module().BatchGrammarMatcher(max_threads=grammar_threads())
-            self._fill_thread = threading.Thread(
-                target=self._fill_loop, name="asyncllm-grammar-fill", daemon=True
-            )
-            self._fill_thread.start()
-            # Once its fill is done the thread needs the GIL back: within 20 µs, not
-            # the default 5 ms a busy step thread would otherwise keep it (on the H200
-            # host, constrained batch-64 decode 32k tok/s against 28k at 0.2 ms).
-            sys.setswitchinterval(min(sys.getswitchinterval(), 2e-5))
-        self._job = job
-        with self._fill_cv:
-            self._fill_queue.append((job, bitmask, rows))
-            self._fill_cv.notify()
-            # Until the thread has taken the job it needs the GIL, which this thread
-            # would hold for its whole next stretch of Python: wait, without it.
-            while self._fill_queue:
-                self._fill_cv.wait()
-        return job
-
-    def _fill_loop(self) -> None:
-        while True:
-            with self._fill_cv:
-                while not self._fill_queue:
-                    self._fill_cv.wait()
-                item = self._fill_queue.pop()
-                self._fill_cv.notify()  # (taken)
-            if item is None:
-                return
-            job, bitmask, rows = item
-            try:
-                self._fill(self._fill_batch, bitmask, rows)
-            except BaseException as e:  # (raised by wait(), in the step's thread)
-                job.error = e
-            job.done.set()
+        and waits. One xgrammar call in the grammar process, on one thread unless
+        ASYNCLLM_GRAMMAR_THREADS says otherwise."""
+        self.start_fill(bitmask, rows, []).wait()
 
     def allocate_bitmask(self, rows: int, user: Any = None) -> torch.Tensor:
         """A bitmask of `rows` rows for the step `user`, its contents undefined until the
-        fill writes every row: a view of one of two persistent buffers (pinned if
-        `pin_memory`), taken in turn. A buffer is
-        written again only once the copy that read it for its last step has run: that
-        step's `grammar_bitmask_copied` (a CUDA event the model runner records after its
-        copy to the device; absent, the runner copied it synchronously or not at all)."""
-        words = -(-self.vocab_size // 32)
-        if not self._bitmasks or self._bitmasks[0].shape[0] < rows:
-            self._bitmasks = [
-                torch.empty(rows, words, dtype=torch.int32, pin_memory=self.pin_memory)
-                for _ in range(2)
-            ]
-            self._users = [None, None]
+        fill writes every row: a view of one of two buffers the grammar process shares
+        (pinned if `pin_memory`), taken in turn. A buffer is written again only once the
+        copy that read it for its last step has run: that step's
+        `grammar_bitmask_copied` (a CUDA event the model runner records after its copy to
+        the device; absent, the runner copied it synchronously or not at all)."""
+        if rows > self.max_rows:
+            raise ValueError(f"rows={rows} is more than the bitmask's max_rows={self.max_rows}")
+        buffers = self._get_shared().buffers
         k = self._next_bitmask
         self._next_bitmask ^= 1
         copied = getattr(self._users[k], "grammar_bitmask_copied", None)
         if copied is not None and not copied.query():  # (at depth 2 it has long run)
             copied.synchronize()
         self._users[k] = user
-        return self._bitmasks[k][:rows]
+        return buffers[k][:rows]
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._fill_thread is not None:
-            with self._fill_cv:
-                self._fill_queue.append(None)
-                self._fill_cv.notify()
-            self._fill_thread.join()
-            self._fill_thread = None
+        if self._pending is not None:
+            self._answer(self._pending)
+        with self._start_lock:  # (a start under way ends first)
+            self._closed = True
+            if self._process is not None:
+                self._process.close()
+                self._process = None
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None

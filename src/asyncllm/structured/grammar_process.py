@@ -1,0 +1,206 @@
+"""The grammar process: the engine core's grammar matchers live here, so that accepting a
+step's tokens and filling the next step's token bitmask run beside the core's step
+without sharing its GIL (a fill thread in the core paid a GIL hand-off per xgrammar
+call, and its Python slowed the step's).
+
+The core (`GrammarProcess`, used by StructuredOutputManager) compiles grammars itself and
+sends each compiled grammar once, serialized; it tells the process which matcher each
+request gets, and each step one message: the tokens the matchers accept, then the rows
+to fill. The process fills rows of the two bitmask buffers it shares with the core (a
+memory-mapped file the core opened, passed as a descriptor, as is the tokenizer's
+information) and answers the step with the positions of the tokens the grammars refused.
+
+Frames on the pipes: a 4-byte big-endian length, then msgpack. The child's stdin carries
+the core's messages; its real stdout (stdout itself is pointed at stderr) carries one
+answer once it has started and one per step, `["ok", refused]` or `["error", message]`.
+EOF on stdin ends it.
+
+    python -m asyncllm.structured.grammar_process INFO_FD BITMASK_FD ROWS WORDS THREADS
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import select
+import subprocess
+import sys
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from asyncllm import envs
+
+_HEADER = 4
+_LIVENESS_S = 1.0  # (how often a wait for an answer checks that the process lives)
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = os.read(fd, n - got)
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _send(fd: int, obj: Any) -> None:
+    body = msgspec.msgpack.encode(obj)
+    _write_all(fd, len(body).to_bytes(_HEADER, "big") + body)
+
+
+def _recv(fd: int) -> Any:
+    size = int.from_bytes(_read_exact(fd, _HEADER), "big")
+    return msgspec.msgpack.decode(_read_exact(fd, size))
+
+
+def buffer_bytes(rows: int, words: int) -> int:
+    """The shared file's size: two bitmask buffers of `rows` x `words` int32."""
+    return 2 * rows * words * 4
+
+
+# -- the child -----------------------------------------------------------------------
+
+
+def accept_tokens(matchers: list[Any], tokens: list[int], batch_accept: Any) -> list[int]:
+    """Advances `matchers[i]` by `tokens[i]`, in order; the positions refused. One
+    xgrammar call unless a matcher comes twice (then one by one, in order)."""
+    if not matchers:
+        return []
+    if len({id(m) for m in matchers}) < len(matchers):
+        return [i for i, (m, t) in enumerate(zip(matchers, tokens)) if not m.accept_token(t)]
+    ok = batch_accept(matchers, tokens)
+    if 0 not in ok:
+        return []
+    return [i for i, good in enumerate(list(ok)) if not good]
+
+
+def raw_batch_accept(xgr: Any) -> Any:
+    """xgrammar's batch accept, (matchers, tokens) -> their results (1 or True:
+    accepted), straight from its core: the public wrapper turns the results into a list
+    with one FFI call per row (~70 µs at 64)."""
+    try:
+        from xgrammar.base import _core
+
+        raw = _core.BatchGrammarMatcher.batch_accept_token
+    except (ImportError, AttributeError):  # (another layout: the public wrapper)
+        return xgr.BatchGrammarMatcher.batch_accept_token
+    return lambda matchers, tokens: raw([m._handle for m in matchers], tokens, False)
+
+
+def main(argv: list[str]) -> None:
+    info_fd, fd, rows, words, threads = map(int, argv[:5])
+    replies = os.dup(1)
+    os.dup2(2, 1)  # (stray prints go to stderr, never into the answers)
+    import xgrammar as xgr
+
+    with os.fdopen(info_fd, "rb") as f:
+        f.seek(0)  # (the core's file: it wrote it, this descriptor shares its offset)
+        info = xgr.TokenizerInfo.deserialize_json(f.read().decode())
+    shared = mmap.mmap(fd, buffer_bytes(rows, words))
+    buffers = np.frombuffer(shared, dtype=np.int32).reshape(2, rows, words)
+    batch = xgr.BatchGrammarMatcher(max_threads=threads)
+    batch_accept = raw_batch_accept(xgr)
+    grammars: dict[int, Any] = {}
+    matchers: dict[int, Any] = {}
+    stdin = sys.stdin.fileno()
+    _send(replies, ["ok", []])  # (started)
+    while True:
+        try:
+            msg = _recv(stdin)
+        except EOFError:
+            return
+        kind = msg[0]
+        if kind == "grammar":  # [_, grammar id, serialized]
+            grammars[msg[1]] = xgr.CompiledGrammar.deserialize_json(msg[2], info)
+        elif kind == "matchers":  # [_, [[matcher id, grammar id], ...], [freed ids]]
+            for mid, gid in msg[1]:
+                matchers[mid] = xgr.GrammarMatcher(grammars[gid])
+            for mid in msg[2]:
+                matchers.pop(mid, None)
+        elif kind == "step":  # [_, [[matcher id, token], ...], buffer, [[row, matcher id], ...]]
+            try:
+                refused = accept_tokens(
+                    [matchers[m] for m, _ in msg[1]], [t for _, t in msg[1]], batch_accept
+                )
+                if msg[3]:
+                    batch.batch_fill_next_token_bitmask(
+                        [matchers[m] for _, m in msg[3]], buffers[msg[2]], [r for r, _ in msg[3]]
+                    )
+                _send(replies, ["ok", refused])
+            except Exception as e:  # noqa: BLE001 (the step's error, told to the core)
+                _send(replies, ["error", f"{type(e).__name__}: {e}"])
+        else:
+            _send(replies, ["error", f"unknown message {kind!r}"])
+
+
+# -- the core's side -----------------------------------------------------------------
+
+
+class GrammarProcess:
+    """The child and the pipes to it. `step` sends a step's accepts and fills; `answer`
+    waits for the oldest step's answer (raising RuntimeError if the process has ended).
+    Every other message has no answer."""
+
+    def __init__(self, info_fd: int, fd: int, rows: int, words: int, threads: int) -> None:
+        cmd = [sys.executable, "-m", "asyncllm.structured.grammar_process"]
+        cmd += [str(info_fd), str(fd), str(rows), str(words), str(threads)]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            pass_fds=(info_fd, fd),
+            env=envs.child_process_env(),
+            bufsize=0,
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self._in, self._out = self.proc.stdin.fileno(), self.proc.stdout.fileno()
+
+    def send(self, msg: list[Any]) -> None:
+        try:
+            _send(self._in, msg)
+        except (BrokenPipeError, OSError) as e:
+            raise RuntimeError(f"the grammar process has ended ({self._exit()})") from e
+
+    def answer(self) -> list[int]:
+        """The positions of the accepts the grammars refused, for the oldest step sent."""
+        while not select.select([self._out], [], [], _LIVENESS_S)[0]:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the grammar process has ended ({self._exit()})")
+        try:
+            status, value = _recv(self._out)
+        except EOFError as e:
+            raise RuntimeError(f"the grammar process has ended ({self._exit()})") from e
+        if status != "ok":
+            raise RuntimeError(f"the grammar process failed a step: {value}")
+        return list(value)
+
+    def _exit(self) -> str:
+        try:
+            code = self.proc.wait(timeout=_LIVENESS_S)
+        except subprocess.TimeoutExpired:
+            return "it no longer answers"
+        return f"exit code {code}"
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()  # (EOF: it returns)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
