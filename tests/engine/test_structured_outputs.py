@@ -434,3 +434,50 @@ def test_a_dead_grammar_process_fails_the_step_with_a_clear_error():
             manager.fill_bitmask(bitmask, [(0, a)])
     finally:
         manager.shutdown()
+
+
+def test_a_lost_grammar_process_ends_only_the_requests_it_held(sync_engine):
+    """The grammar process dies mid-decode: the constrained request whose matcher it held
+    ends with an error saying so, the unconstrained one beside it finishes, a constrained
+    request submitted afterwards gets a new process and completes its grammar, and every
+    block comes back."""
+    import time
+
+    from asyncllm.messages import EngineCoreRequest
+
+    core = sync_engine.engine.client.core
+    array = {"type": "array", "items": {"type": "string"}}
+
+    def request(rid, so, max_tokens):
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=so is None, structured_outputs=so
+        )
+        return EngineCoreRequest(rid, [1, 2, 3, 4], params, 2, max_tokens, time.monotonic())
+
+    def run(outs):
+        for _ in range(400):  # (until every request has ended)
+            if not core.has_unfinished_requests():
+                return
+            for o in core.step().outputs:
+                outs.setdefault(o.request_id, []).append(o)
+
+    outs: dict[str, list] = {}
+    core.add_request(request("free", None, 40))
+    core.add_request(request("held", S(json=array), 40))
+    while len(outs.get("held", [])) < 2:  # (decoding under its grammar)
+        for o in core.step().outputs:
+            outs.setdefault(o.request_id, []).append(o)
+    process = core.structured._process
+    assert process is not None
+    process.proc.kill()
+    process.proc.wait()
+    run(outs)
+    held = outs["held"][-1]
+    assert held.error is not None and "grammar process has ended" in held.error.message
+    assert outs["free"][-1].finish_reason == "length" and outs["free"][-1].error is None
+    assert sum(len(o.new_token_ids) for o in outs["free"]) == 40
+    core.add_request(request("after", S(choice=CHOICES), 16))
+    run(outs)
+    assert outs["after"][-1].finish_reason == "stop" and outs["after"][-1].error is None
+    assert core.structured._process is not None and core.structured._process is not process
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks

@@ -46,6 +46,7 @@ from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.request_queue import create_request_queue
 from asyncllm.messages import EngineCoreOutput, ErrorKind, RequestError, SchedulerStats
+from asyncllm.structured.grammar_process import GrammarProcessError
 
 if TYPE_CHECKING:
     from asyncllm.structured.manager import Accepts, FillJob, StructuredOutputManager
@@ -158,7 +159,13 @@ class Scheduler:
             futures_wait([r.structured.future for r in self.compiling], return_when=FIRST_COMPLETED)
         still, failed = [], []
         for req in self.compiling:
-            if not req.structured.ready():
+            try:
+                ready = req.structured.ready()
+            except GrammarProcessError as e:  # (its matcher could not be made)
+                self._grammar_process_lost(e)
+                failed.append((req, str(e)))
+                continue
+            if not ready:
                 still.append(req)
             elif (error := req.structured.error()) is not None:
                 failed.append((req, error))
@@ -539,16 +546,39 @@ class Scheduler:
                 rows.append((row, req.structured))
             else:
                 sched.grammar_bitmask.numpy()[row] = -1  # (allows all: its token is dropped)
-        job = self.structured.start_fill(sched.grammar_bitmask, rows, accepts)
+        try:
+            job = self.structured.start_fill(sched.grammar_bitmask, rows, accepts)
+        except GrammarProcessError as e:
+            sched.grammar_bitmask.fill_(-1)  # (allows all: the tokens are dropped)
+            self._grammar_process_lost(e)
+            return None
         if wait:
-            self._refuse(job.wait())
+            self.finish_fill(job)
             return None
         return job
 
     def finish_fill(self, job: FillJob) -> None:
         """Waits for a fill `fill_grammar_bitmask(wait=False)` started, and ends the
-        requests whose grammar refused one of the tokens it accepted."""
-        self._refuse(job.wait())
+        requests whose grammar refused one of the tokens it accepted (or, if the grammar
+        process was lost, every request whose matcher it held)."""
+        try:
+            refused = job.wait()
+        except GrammarProcessError as e:  # (the step's bitmask now allows every token)
+            self._grammar_process_lost(e)
+            return
+        self._refuse(refused)
+
+    def _grammar_process_lost(self, error: GrammarProcessError) -> None:
+        """Ends every unfinished request whose matcher lived in the grammar process, with
+        the error; the others go on, and the next matcher starts a new process."""
+        assert self.structured is not None
+        self.structured.reset()
+        self._accepts = []  # (all for matchers of that process)
+        why = f"its grammar's matcher was lost: {error}"
+        for req in list(self.requests.values()):
+            if req.structured is not None and req.structured.matcher_id is not None:
+                if not req.is_finished:
+                    self._error_outputs.append(self._fail(req, ErrorKind.FAILED, why))
 
     def _refuse(self, reqs: list[Request]) -> None:
         """Ends the requests whose grammar refused a token they kept (the mask allows

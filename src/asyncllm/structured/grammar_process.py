@@ -146,6 +146,10 @@ def main(argv: list[str]) -> None:
 # -- the core's side -----------------------------------------------------------------
 
 
+class GrammarProcessError(RuntimeError):
+    """The grammar process ended or failed a step: its matchers are lost."""
+
+
 class GrammarProcess:
     """The child and the pipes to it. `step` sends a step's accepts and fills; `answer`
     waits for the oldest step's answer (raising RuntimeError if the process has ended).
@@ -169,19 +173,19 @@ class GrammarProcess:
         try:
             _send(self._in, msg)
         except (BrokenPipeError, OSError) as e:
-            raise RuntimeError(f"the grammar process has ended ({self._exit()})") from e
+            raise GrammarProcessError(f"the grammar process has ended ({self._exit()})") from e
 
     def answer(self) -> list[int]:
         """The positions of the accepts the grammars refused, for the oldest step sent."""
         while not select.select([self._out], [], [], _LIVENESS_S)[0]:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the grammar process has ended ({self._exit()})")
+                raise GrammarProcessError(f"the grammar process has ended ({self._exit()})")
         try:
             status, value = _recv(self._out)
         except EOFError as e:
-            raise RuntimeError(f"the grammar process has ended ({self._exit()})") from e
+            raise GrammarProcessError(f"the grammar process has ended ({self._exit()})") from e
         if status != "ok":
-            raise RuntimeError(f"the grammar process failed a step: {value}")
+            raise GrammarProcessError(f"the grammar process failed a step: {value}")
         return list(value)
 
     def _exit(self) -> str:
@@ -191,9 +195,15 @@ class GrammarProcess:
             return "it no longer answers"
         return f"exit code {code}"
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
+        """Ends the process: EOF on its stdin (it returns), or at once with `kill`."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.close()  # (EOF: it returns)
+        if kill:
+            self.proc.kill()
+        try:
+            self.proc.stdin.close()
+        except OSError:  # (a pipe it had already left)
+            pass
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:

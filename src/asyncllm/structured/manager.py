@@ -25,7 +25,7 @@ import torch
 from asyncllm.envs import grammar_threads
 from asyncllm.sampling_params import StructuredOutputsParams
 from asyncllm.structured.grammar import GrammarKey, build_grammar, grammar_key, xgrammar_module
-from asyncllm.structured.grammar_process import GrammarProcess, buffer_bytes
+from asyncllm.structured.grammar_process import GrammarProcess, GrammarProcessError, buffer_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +61,18 @@ Rows = list[tuple[int, StructuredRequest]]
 
 class FillJob:
     """A step's accepts and bitmask fill in the grammar process; `wait()` returns once
-    they are done (raising RuntimeError if they failed), with the keys of the tokens the
-    grammars refused."""
+    they are done, with the keys of the tokens the grammars refused, or raises
+    GrammarProcessError (the process is lost; the bitmask then allows every token)."""
 
-    __slots__ = ("_manager", "_keys", "_refused", "_error", "_done")
+    __slots__ = ("_manager", "_keys", "_bitmask", "_refused", "_error", "_done")
 
-    def __init__(self, manager: StructuredOutputManager | None, keys: list[Any]) -> None:
-        self._manager, self._keys = manager, keys
+    def __init__(
+        self,
+        manager: StructuredOutputManager | None,
+        keys: list[Any],
+        bitmask: torch.Tensor | None = None,
+    ) -> None:
+        self._manager, self._keys, self._bitmask = manager, keys, bitmask
         self._refused: list[Any] = []
         self._error: BaseException | None = None
         self._done = manager is None
@@ -241,8 +246,10 @@ class StructuredOutputManager:
             try:
                 refused = self._process.answer()
                 pending._refused = [pending._keys[i] for i in refused]
-            except RuntimeError as e:
+            except GrammarProcessError as e:
                 pending._error = e
+                if pending._bitmask is not None:  # (its rows may be half written)
+                    pending._bitmask.fill_(-1)
 
     # -- a step's accepts and fill ---------------------------------------------------
 
@@ -250,7 +257,8 @@ class StructuredOutputManager:
         """Sends a step to the grammar process: the matchers accept `accepts` (in order),
         then fill their rows of `bitmask` (one of `allocate_bitmask`'s) for `rows`
         ((row, request) pairs), while the caller goes on. The caller must leave the
-        bitmask and these requests alone until `wait()`, which gives the refused keys."""
+        bitmask and these requests alone until `wait()`, which gives the refused keys.
+        GrammarProcessError if the process is lost."""
         if not rows and not accepts:
             return FillJob(None, [])
         if self._pending is not None:
@@ -267,8 +275,22 @@ class StructuredOutputManager:
         msg = ["step", [[r.matcher_id, t] for _, r, t in accepts], k]
         msg.append([[i, r.matcher_id] for i, r in rows])
         process.send(msg)
-        job = self._pending = FillJob(self, [key for key, _, _ in accepts])
+        job = self._pending = FillJob(self, [key for key, _, _ in accepts], bitmask)
         return job
+
+    def reset(self) -> None:
+        """Forgets the grammar process after it failed (and stops it) with every matcher
+        it held, whose requests the caller ends; the next matcher starts another."""
+        with self._start_lock:
+            process, self._process = self._process, None
+            if process is not None:
+                process.close(kill=True)
+        if self._pending is not None:
+            self._pending._done = True
+            self._pending._error = GrammarProcessError("the grammar process was stopped")
+            self._pending = None
+        self._grammar_ids.clear()
+        self._new_matchers, self._freed = [], []
 
     def accept(self, accepts: Accepts) -> list[Any]:
         """Advances the matchers by `accepts`, in order, and waits; returns the keys of
