@@ -412,8 +412,11 @@ def test_matchers_accept_a_steps_tokens_at_once_and_name_each_refused_one():
 
 
 def test_a_dead_grammar_process_fails_the_step_with_a_clear_error():
-    """If the grammar process ends, the next step that needs it raises RuntimeError
-    saying so (no wait without end)."""
+    """A terminal's Ctrl-C (SIGINT) leaves the grammar process serving; if it ends, the
+    next step that needs it raises GrammarProcessError saying so (no wait without end)."""
+    import os
+    import signal
+
     from transformers import AutoTokenizer
 
     from asyncllm.model.source import embedded_model_path
@@ -428,6 +431,9 @@ def test_a_dead_grammar_process_fails_the_step_with_a_clear_error():
         bitmask = manager.allocate_bitmask(1)
         manager.fill_bitmask(bitmask, [(0, a)])
         assert manager._process is not None
+        os.kill(manager._process.proc.pid, signal.SIGINT)
+        manager.fill_bitmask(bitmask, [(0, a)])
+        assert manager._process.proc.poll() is None
         manager._process.proc.kill()
         manager._process.proc.wait()
         with pytest.raises(RuntimeError, match="grammar process has ended"):

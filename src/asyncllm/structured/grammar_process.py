@@ -23,6 +23,7 @@ from __future__ import annotations
 import mmap
 import os
 import select
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -99,6 +100,7 @@ def raw_batch_accept(xgr: Any) -> Any:
 
 def main(argv: list[str]) -> None:
     info_fd, fd, rows, words, threads = map(int, argv[:5])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a terminal's Ctrl-C is the host's)
     replies = os.dup(1)
     os.dup2(2, 1)  # (stray prints go to stderr, never into the answers)
     import xgrammar as xgr
