@@ -80,6 +80,11 @@ for s in "$@"; do
             "$OUT/structured.prof" > "$OUT/structured-prof.txt" ;;
     structured-overhead) stage "$s" python3 benchmarks/structured_overhead.py --model .whl_a/smol-config \
         --schema array --batch 1 8 64 ;;
+    # A fill beside the step's Python: on a thread against in the grammar process
+    grammar-overlap) stage "$s" python3 -P benchmarks/grammar_overlap.py --model .whl_a/smol-config ;;
+    # Where a constrained batch-64 step's host time goes, on the step's thread
+    structured-timeline) stage "$s" python3 -P benchmarks/structured_timeline.py --model .whl_a/smol-config \
+        --load-format dummy --batch 64 ;;
     http-serving) stage "$s" python3 benchmarks/http_serving.py --device cuda ;;
     test-gpu) stage "$s" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider ;;
     test-gpu-but-attention) stage "$s" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider --ignore tests/kernels/test_gpu_attention.py ;;
