@@ -411,15 +411,18 @@ def test_matchers_accept_a_steps_tokens_at_once_and_name_each_refused_one():
         manager.shutdown()
 
 
-def test_a_dead_grammar_process_fails_the_step_with_a_clear_error():
-    """A terminal's Ctrl-C (SIGINT) leaves the grammar process serving; if it ends, the
-    next step that needs it raises GrammarProcessError saying so (no wait without end)."""
+def test_a_dead_or_hung_grammar_process_fails_the_step_with_a_clear_error(monkeypatch):
+    """A terminal's Ctrl-C (SIGINT) leaves the grammar process serving; if it stops
+    answering or ends, the step that needs it raises GrammarProcessError saying so (no
+    wait without end), and after `reset()` the next matcher starts a new process."""
     import os
     import signal
 
     from transformers import AutoTokenizer
 
     from asyncllm.model.source import embedded_model_path
+    from asyncllm.structured import grammar_process
+    from asyncllm.structured.grammar_process import GrammarProcessError
     from asyncllm.structured.manager import StructuredOutputManager
 
     path = str(embedded_model_path())
@@ -430,14 +433,27 @@ def test_a_dead_grammar_process_fails_the_step_with_a_clear_error():
         assert a.ready()
         bitmask = manager.allocate_bitmask(1)
         manager.fill_bitmask(bitmask, [(0, a)])
-        assert manager._process is not None
-        os.kill(manager._process.proc.pid, signal.SIGINT)
+        first = manager._process
+        assert first is not None
+        os.kill(first.proc.pid, signal.SIGINT)
         manager.fill_bitmask(bitmask, [(0, a)])
-        assert manager._process.proc.poll() is None
-        manager._process.proc.kill()
-        manager._process.proc.wait()
-        with pytest.raises(RuntimeError, match="grammar process has ended"):
+        assert first.proc.poll() is None
+        os.kill(first.proc.pid, signal.SIGSTOP)  # (alive, but it answers nothing)
+        monkeypatch.setattr(grammar_process, "STEP_TIMEOUT_S", 1.0)
+        with pytest.raises(GrammarProcessError, match="not answered in 1 s"):
             manager.fill_bitmask(bitmask, [(0, a)])
+        assert (bitmask == -1).all()  # (the step's rows allow every token)
+        manager.reset()
+        assert first.proc.poll() is not None
+        b = manager.request(S(regex=r"[0-9]+"))
+        assert b.ready()  # (its grammar is cached: its matcher starts a new process)
+        manager.fill_bitmask(bitmask, [(0, b)])
+        second = manager._process
+        assert second is not None and second is not first
+        second.proc.kill()
+        second.proc.wait()
+        with pytest.raises(GrammarProcessError, match="grammar process has ended"):
+            manager.fill_bitmask(bitmask, [(0, b)])
     finally:
         manager.shutdown()
 

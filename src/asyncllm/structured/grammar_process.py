@@ -26,6 +26,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 import msgspec
@@ -35,6 +36,10 @@ from asyncllm import envs
 
 _HEADER = 4
 _LIVENESS_S = 1.0  # (how often a wait for an answer checks that the process lives)
+# The longest a step's answer may take (its fill is milliseconds), and the start's
+# (importing xgrammar and torch on a loaded machine): past it the process counts as lost.
+STEP_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 300.0
 
 
 def _read_exact(fd: int, n: int) -> bytes:
@@ -177,11 +182,17 @@ class GrammarProcess:
         except (BrokenPipeError, OSError) as e:
             raise GrammarProcessError(f"the grammar process has ended ({self._exit()})") from e
 
-    def answer(self) -> list[int]:
-        """The positions of the accepts the grammars refused, for the oldest step sent."""
+    def answer(self, timeout: float | None = None) -> list[int]:
+        """The positions of the accepts the grammars refused, for the oldest step sent.
+        GrammarProcessError if the process ends, or does not answer within `timeout` s
+        (STEP_TIMEOUT_S by default)."""
+        timeout = STEP_TIMEOUT_S if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         while not select.select([self._out], [], [], _LIVENESS_S)[0]:
             if self.proc.poll() is not None:
                 raise GrammarProcessError(f"the grammar process has ended ({self._exit()})")
+            if time.monotonic() > deadline:
+                raise GrammarProcessError(f"the grammar process has not answered in {timeout:g} s")
         try:
             status, value = _recv(self._out)
         except EOFError as e:

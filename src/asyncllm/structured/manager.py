@@ -25,7 +25,12 @@ import torch
 from asyncllm.envs import grammar_threads
 from asyncllm.sampling_params import StructuredOutputsParams
 from asyncllm.structured.grammar import GrammarKey, build_grammar, grammar_key, xgrammar_module
-from asyncllm.structured.grammar_process import GrammarProcess, GrammarProcessError, buffer_bytes
+from asyncllm.structured.grammar_process import (
+    START_TIMEOUT_S,
+    GrammarProcess,
+    GrammarProcessError,
+    buffer_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +220,7 @@ class StructuredOutputManager:
                         grammar_threads(),
                     )
                     try:
-                        process.answer()  # (started: it has read the file, mapped ours)
+                        process.answer(START_TIMEOUT_S)  # (started: read the file, mapped ours)
                     except RuntimeError:
                         process.close()
                         raise
