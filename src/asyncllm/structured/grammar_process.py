@@ -12,8 +12,8 @@ information) and answers the step with the positions of the tokens the grammars 
 
 Frames on the pipes: a 4-byte big-endian length, then msgpack. The child's stdin carries
 the core's messages; its real stdout (stdout itself is pointed at stderr) carries one
-answer once it has started and one per step, `["ok", refused]` or `["error", message]`.
-EOF on stdin ends it.
+answer once it has started and one per step, `["ok", refused]` or `["error", message]`
+(the other messages have none: a failure there ends the process). EOF on stdin ends it.
 
     python -m asyncllm.structured.grammar_process INFO_FD BITMASK_FD ROWS WORDS THREADS
 """
@@ -146,8 +146,8 @@ def main(argv: list[str]) -> None:
                 _send(replies, ["ok", refused])
             except Exception as e:  # noqa: BLE001 (the step's error, told to the core)
                 _send(replies, ["error", f"{type(e).__name__}: {e}"])
-        else:
-            _send(replies, ["error", f"unknown message {kind!r}"])
+        else:  # (ends the process: the core then finds it gone)
+            raise ValueError(f"unknown message {kind!r}")
 
 
 # -- the core's side -----------------------------------------------------------------
