@@ -13,7 +13,6 @@ changed; a function that runs more than once a step is listed once per call.
 from __future__ import annotations
 
 import argparse
-import functools
 import random
 import statistics
 import threading
@@ -24,23 +23,16 @@ from typing import Any
 import torch
 
 from asyncllm import LLM, SamplingParams, StructuredOutputsParams
-from asyncllm.bench.common import ARRAY_SCHEMA, add_engine_args, engine_kwargs
+from asyncllm.bench.common import ARRAY_SCHEMA, add_engine_args, engine_kwargs, wrap_timed
 
 EVENTS: list[tuple[str, str, float, float]] = []  # (name, thread, start, end)
 
 
-def wrap(obj: Any, name: str, label: str, static: bool = False) -> None:
-    fn = getattr(obj, name)
+def wrap(obj: Any, name: str, label: str) -> None:
+    def record(t0: float, t1: float) -> None:
+        EVENTS.append((label, threading.current_thread().name, t0, t1))
 
-    @functools.wraps(fn)
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            EVENTS.append((label, threading.current_thread().name, t0, time.perf_counter()))
-
-    setattr(obj, name, staticmethod(timed) if static else timed)
+    wrap_timed(obj, name, record)
 
 
 def main() -> None:

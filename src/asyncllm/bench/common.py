@@ -7,11 +7,13 @@ benchmark's own defaults) reach the engine, so the engine's defaults apply other
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from asyncllm.config import EngineConfig
@@ -52,6 +54,23 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--device", "device", str, "auto, cpu, cuda, cuda:N"),
     ("--attention-backend", "attention_backend", str, "triton (CUDA) or torch_native"),
 ]
+
+
+def wrap_timed(obj: Any, name: str, record: Callable[[float, float], None]) -> Callable[[], None]:
+    """Wraps `obj.name` so each call reports its start and end (perf_counter seconds)
+    to `record`, returning or raising as before; returns the undo."""
+    fn: Callable[..., Any] = getattr(obj, name)
+
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            record(t0, time.perf_counter())
+
+    setattr(obj, name, timed)
+    return lambda: setattr(obj, name, fn)
 
 
 def _int_or_float(text: str) -> int:

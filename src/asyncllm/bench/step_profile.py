@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
-import functools
 import json
 import random
 import tempfile
@@ -58,7 +57,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from asyncllm.bench.common import ARRAY_SCHEMA, add_engine_args, engine_kwargs
+from asyncllm.bench.common import ARRAY_SCHEMA, add_engine_args, engine_kwargs, wrap_timed
 
 STEP_MARK = "asyncllm.step"
 STAGES = (
@@ -77,18 +76,11 @@ STAGES = (
 
 def _wrap(obj: Any, name: str, stage: str, times: dict[str, float]) -> Callable[[], None]:
     """Times `obj.name` into `times[stage]`; returns the undo."""
-    fn: Callable[..., Any] = getattr(obj, name)
 
-    @functools.wraps(fn)
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            times[stage] += time.perf_counter() - t0
+    def add(t0: float, t1: float) -> None:
+        times[stage] += t1 - t0
 
-    setattr(obj, name, timed)
-    return lambda: setattr(obj, name, fn)
+    return wrap_timed(obj, name, add)
 
 
 def _time_replay(runner: Any, batch: int) -> float | None:
