@@ -1,7 +1,7 @@
 """The grammar bitmask's way to the device, without a sync or a per-step allocation.
 
 The usual step masks every sampling row, in the scheduler's order: its bitmask (pinned
-by the scheduler on CUDA) is copied to the device as it is, with one non-blocking copy,
+memory the structured manager shares with the grammar process, on CUDA) is copied to the device as it is, with one non-blocking copy,
 and the scheduler writes that buffer again once the step's own completion event has
 passed; the rows are a device `arange` made once. Any other step (some rows
 unconstrained, another order, an unpinned bitmask) goes through one of two pinned
@@ -12,7 +12,8 @@ the copy.
 
 A usual step whose logits are the decode graphs' output buffer is masked by a CUDA graph
 of its own (`apply_graphed`: the copy and the masking kernel, one replay): launched one
-by one they cost the host ~150-200 µs a step on the H200's host, the replay ~15.
+by one they cost the H200's host 199-234 µs a step at batch 64, the replay 26-59
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
