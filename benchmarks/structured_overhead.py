@@ -11,6 +11,10 @@ its default thread count (both with matchers of this process); "accept" is every
 accepting its next token (the engine's `StructuredOutputManager.accept`: one call in the
 grammar process and the round trip).
 
+`--paths FILE` (token ids of real outputs, one list per request: what
+`structured_throughput.py --save-tokens` writes) advances row i along output i instead,
+for the array schema (`--schema array`, the benchmark's); the batch is the first rows.
+
     python benchmarks/structured_overhead.py [--batch 1 32] [--steps 64] [--model DIR]
 """
 
@@ -53,7 +57,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--model", help="a model folder with its tokenizer (default: SmolLM2)")
     ap.add_argument("--schema", choices=("object", "array"), default="object")
+    ap.add_argument("--paths", help="a JSON file: the token ids each row's matcher follows")
     args = ap.parse_args()
+    paths = None
+    if args.paths:
+        with open(args.paths) as f:
+            paths = json.load(f)
+        if max(args.batch) > len(paths):
+            ap.error(
+                f"--batch {max(args.batch)} is more than the {len(paths)} paths in {args.paths}"
+            )
     schema, text = (SCHEMA, TEXT) if args.schema == "object" else (ARRAY_SCHEMA, ARRAY_TEXT)
     config = create_engine_config(EngineArgs(model=args.model, device="cpu", load_format="dummy"))
     vocab = int(config.model.hf_config.vocab_size)
@@ -85,7 +98,7 @@ def main() -> None:
         logits = torch.randn(batch, vocab)
         idx = torch.arange(batch)
         for step in range(args.steps):
-            if local[0].is_terminated():
+            if local[0].is_terminated() or (paths and step >= min(map(len, paths[:batch]))):
                 break
             bitmask = manager.allocate_bitmask(batch)
             matchers = local
@@ -99,16 +112,19 @@ def main() -> None:
             t0 = time.perf_counter()
             apply_token_bitmask(logits, idx, bitmask)
             applies.append(time.perf_counter() - t0)
-            # The next token: the text's if the grammar allows it, else the first allowed.
-            word = bitmask[0].tolist()
-            allowed = [t for t in range(vocab) if (word[t // 32] >> (t % 32)) & 1]
-            if not allowed:
-                break
-            token = ids[step] if step < len(ids) and ids[step] in allowed else allowed[0]
+            if paths:  # row i: output i's next token
+                tokens = [path[step] for path in paths[:batch]]
+            else:  # every row: the text's token if the grammar allows it, else the first allowed
+                word = bitmask[0].tolist()
+                allowed = [t for t in range(vocab) if (word[t // 32] >> (t % 32)) & 1]
+                if not allowed:
+                    break
+                token = ids[step] if step < len(ids) and ids[step] in allowed else allowed[0]
+                tokens = [token] * batch
             t0 = time.perf_counter()
-            refused = manager.accept([(i, r, token) for i, r in enumerate(reqs)])
+            refused = manager.accept([(i, r, t) for i, (r, t) in enumerate(zip(reqs, tokens))])
             accepts.append(time.perf_counter() - t0)
-            assert not refused and all(m.accept_token(token) for m in local)
+            assert not refused and all(m.accept_token(t) for m, t in zip(local, tokens))
         print(f"  ({len(fills)} steps)")
         fill, apply = statistics.median(fills) * 1e6, statistics.median(applies) * 1e6
         one, many = statistics.median(one_calls) * 1e6, statistics.median(threaded_fills) * 1e6

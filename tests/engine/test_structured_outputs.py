@@ -362,6 +362,56 @@ def test_a_constrained_request_decodes_every_step(llm):
     assert engine.get_stats()["num_steps"] - before <= n + 1
 
 
+def test_the_next_fill_starts_before_a_steps_results_are_applied():
+    """With async scheduling, the matchers get a step's tokens (and the next mask's
+    fill starts, in the grammar process) before the scheduler applies that step: each
+    constrained token is accepted once, and before its update. Requests that end by
+    their grammar (a choice, a regex) and by max_tokens keep their constraints."""
+    llm = LLM(device="cpu", multiprocess=False, max_model_len=256)
+    core = llm.engine.client.core
+    events: list[tuple[str, list[int]]] = []
+    start_fill, update = core.structured.start_fill, core.scheduler.update_from_output
+
+    def logged_start_fill(bitmask, rows, accepts):
+        events.append(("accept", [t for _, _, t in accepts]))
+        return start_fill(bitmask, rows, accepts)
+
+    def logged_update(sched, runner):
+        outputs = update(sched, runner)
+        rids = set(sched.structured_req_ids)  # (the tokens kept: dropped ones have no output)
+        events.append(
+            ("update", [t for o in outputs if o.request_id in rids for t in o.new_token_ids])
+        )
+        return outputs
+
+    core.structured.start_fill = logged_start_fill
+    core.scheduler.update_from_output = logged_update
+    params = [
+        SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=S(regex=r"[0-9]{10}")),
+        SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=S(choice=CHOICES)),
+        _json_params(SCHEMAS[0], temperature=0.0, max_tokens=6),
+    ]
+    try:
+        outs = llm.generate([PROMPT] * 3, params, use_tqdm=False)
+        assert re.fullmatch(r"[0-9]{10}", outs[0].outputs[0].text), outs[0].outputs[0]
+        assert outs[1].outputs[0].text in CHOICES
+        assert outs[2].outputs[0].finish_reason == "length"
+        _idle(llm)
+    finally:
+        llm.shutdown()
+    accepted, updated, ahead = 0, 0, []
+    for kind, tokens in events:
+        if kind == "accept":
+            accepted += len(tokens)
+        elif tokens:
+            updated += len(tokens)
+            ahead.append(accepted >= updated)
+    kept = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert accepted <= updated == kept
+    # every step's tokens but the last's (no fill follows it) went to the matchers first
+    assert ahead[:-1] and all(ahead[:-1]), ahead
+
+
 def test_properties_are_generated_in_the_schema_order(llm):
     # (the order is the schema's meaning for a tool call: the name before the arguments)
     schema = {

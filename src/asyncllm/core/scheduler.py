@@ -133,6 +133,9 @@ class Scheduler:
         # Tokens kept since the last fill, for the matchers to accept first (see
         # `_fill_masks`).
         self._accepts: Accepts = []
+        # Steps whose tokens were queued for the matchers before their results were
+        # applied (`fill_grammar_bitmask(ahead=...)`): their update takes none.
+        self._accepted_ahead: set[int] = set()
 
     # -- requests in and out -------------------------------------------------------
 
@@ -520,29 +523,65 @@ class Scheduler:
         flight must be applied before it is filled, and it before `sched` runs."""
         return id(sched) in self._masks_due
 
-    def fill_grammar_bitmask(self, sched: SchedulerOutput, wait: bool = True) -> FillJob | None:
+    def fill_grammar_bitmask(
+        self,
+        sched: SchedulerOutput,
+        wait: bool = True,
+        ahead: tuple[SchedulerOutput, ModelRunnerOutput] | None = None,
+    ) -> FillJob | None:
         """Fills the bitmask `masks_due(sched)` left empty, from each request's matcher
         as it is now. A request that ended or was preempted since keeps an all-allowing
         row: the token it samples is dropped anyway. `wait=False`: the returned job (None:
         nothing to fill) runs in the grammar process while the caller goes on, and must
-        be waited for (`finish_fill`) before `sched` samples."""
+        be waited for (`finish_fill`) before `sched` samples. `ahead`: the step before
+        `sched` and its runner output, whose `update_from_output` comes next: the
+        matchers take its tokens now, so the fill runs while its results are applied
+        (a request its token ends, or one that ends otherwise, gets a row its dropped
+        token never uses)."""
         structured = self._masks_due.pop(id(sched), None)
         if structured is None:
             return None
-        return self._fill_masks(sched, structured, wait)
+        ending = self._accept_ahead(*ahead) if ahead is not None else set()
+        return self._fill_masks(sched, structured, wait, ending)
+
+    def _accept_ahead(self, sched: SchedulerOutput, runner: ModelRunnerOutput) -> set[int]:
+        """Queues the matchers' accepts of the tokens `runner` sampled for `sched`,
+        before its `update_from_output` (which then queues none): the tokens the update
+        will keep. The ids of the requests whose token ends their grammar (its matcher
+        then fills no mask)."""
+        record = self._in_flight.get(id(sched))
+        if record is None or self.structured is None:
+            return set()
+        self._accepted_ahead.add(id(sched))
+        ends = self.structured.stop_token_ids
+        ending = set()
+        for req, _, _, preemptions in record[1]:
+            structured = req.structured
+            if structured is None or not self._takes_result(req, preemptions, runner):
+                continue
+            for token in runner.sampled_token_ids.get(req.request_id, ()):
+                self._accepts.append((req, structured, token))
+                if token in ends:
+                    ending.add(id(req))
+                    break
+        return ending
 
     def _fill_masks(
-        self, sched: SchedulerOutput, structured: list[Request], wait: bool = True
+        self,
+        sched: SchedulerOutput,
+        structured: list[Request],
+        wait: bool = True,
+        ending: set[int] | frozenset[int] = frozenset(),
     ) -> FillJob | None:
         """The matchers accept the tokens kept since the last fill, then the bitmask's
         rows are filled, in the grammar process; waited for here (`wait`), or by
-        `finish_fill`."""
+        `finish_fill`. The requests not running, or in `ending`, get all-allowing rows."""
         assert self.structured is not None  # (it made their constraints)
         accepts, self._accepts = self._accepts, []
         running = RequestStatus.RUNNING
         rows = []
         for row, req in enumerate(structured):
-            if req.status == running:
+            if req.status == running and id(req) not in ending:
                 rows.append((row, req.structured))
             else:
                 sched.grammar_bitmask.numpy()[row] = -1  # (allows all: its token is dropped)
@@ -608,6 +647,8 @@ class Scheduler:
         finished requests are freed (the runner hears of them next step). Requests that
         ended or were preempted since `sched` was made get nothing, even if a new
         request took the id in the meantime; blocks held for this step are released."""
+        accept = id(sched) not in self._accepted_ahead
+        self._accepted_ahead.discard(id(sched))
         record = self._in_flight.pop(id(sched), None)
         if record is None:
             return []
@@ -624,7 +665,7 @@ class Scheduler:
                     req.num_computed_tokens = computed_before
                     outputs.append(self._fail(req, ErrorKind.FAILED, reason))
                 else:
-                    out = self._update_request(req, runner)
+                    out = self._update_request(req, runner, accept)
                     if out is not None:
                         outputs.append(out)
             if not req.num_in_flight and req.held_blocks is not None:
@@ -632,9 +673,23 @@ class Scheduler:
                 req.held_blocks = None
         return outputs
 
-    def _update_request(self, req: Request, runner: ModelRunnerOutput) -> EngineCoreOutput | None:
+    @staticmethod
+    def _takes_result(req: Request, preemptions: int, runner: ModelRunnerOutput) -> bool:
+        """Whether `update_from_output` appends the request's tokens from `runner`: it
+        still runs, was not preempted since the step (`preemptions` then), and the
+        runner took it."""
+        return (
+            req.status == RequestStatus.RUNNING
+            and req.num_preemptions == preemptions
+            and req.request_id not in runner.failed
+        )
+
+    def _update_request(
+        self, req: Request, runner: ModelRunnerOutput, accept: bool = True
+    ) -> EngineCoreOutput | None:
         """Appends the request's sampled tokens up to the first that ends it (the rest
-        are dropped); its output, or None if it has nothing to report."""
+        are dropped); its output, or None if it has nothing to report. `accept`: its
+        matcher is to accept them (False: `_accept_ahead` queued them already)."""
         rid = req.request_id
         new_tokens: list[int] = []
         finished = False
@@ -647,7 +702,7 @@ class Scheduler:
         for token in runner.sampled_token_ids.get(rid, ()):
             req.append_token(token)
             new_tokens.append(token)
-            if structured is not None:
+            if structured is not None and accept:
                 # Its matcher accepts it just before the request's next mask is
                 # filled, with the others' (see `_fill_masks`).
                 self._accepts.append((req, structured, token))
