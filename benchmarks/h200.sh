@@ -82,6 +82,11 @@ for s in "$@"; do
             "$OUT/structured.prof" > "$OUT/structured-prof.txt" ;;
     structured-overhead) stage "$s" python3 benchmarks/structured_overhead.py --model .whl_a/smol-config \
         --schema array --batch 1 8 64 ;;
+    # The fill along real outputs (.whl_a/real-paths.json: `structured_throughput.py
+    # --save-tokens`) by the grammar process's thread count
+    structured-fill-threads) stage "$s" python3 -P benchmarks/structured_overhead.py \
+        --model .whl_a/smol-config --schema array --batch 16 64 --threads 1 2 4 8 --steps 200 \
+        --paths .whl_a/real-paths.json ;;
     # A fill beside the step's Python: on a thread against in the grammar process
     grammar-overlap) stage "$s" python3 -P benchmarks/grammar_overlap.py --model .whl_a/smol-config ;;
     # Where a constrained batch-64 step's host time goes, on the step's thread

@@ -3,13 +3,14 @@
 and applying it to the logits (asyncllm.sample.ops.apply_token_bitmask; in the model
 runner), at batch 1 and 32, the embedded SmolLM2's vocabulary, a JSON schema, matchers
 advanced along a valid output (the sample text where the grammar allows it) so the
-masks are those of real steps. "fill" is the engine's (`StructuredOutputManager.
-fill_bitmask`: one xgrammar call in the grammar process, ASYNCLLM_GRAMMAR_THREADS threads,
-and the round trip to it); "one call" fills
-every row in one call to xgrammar's BatchGrammarMatcher with one thread, "threads" with
-its default thread count (both with matchers of this process); "accept" is every matcher
-accepting its next token (the engine's `StructuredOutputManager.accept`: one call in the
-grammar process and the round trip).
+masks are those of real steps. "fill T" is the engine's (`StructuredOutputManager.
+fill_bitmask`: the grammar process's fill split over at most T threads, and the round
+trip to it), one grammar process for each T of `--threads` (default: the engine's
+default, ASYNCLLM_GRAMMAR_THREADS); "one call" fills every row in one call to xgrammar's
+BatchGrammarMatcher with one thread, "xgr threads" with its own default thread count
+(both with matchers of this process); "accept" is every matcher accepting its next token
+(the engine's `StructuredOutputManager.accept`, in the first process: the round trip
+included).
 
 `--paths FILE` (token ids of real outputs, one list per request: what
 `structured_throughput.py --save-tokens` writes) advances row i along output i instead,
@@ -22,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
 import torch
 
+from asyncllm import envs
 from asyncllm.bench.common import ARRAY_SCHEMA
 from asyncllm.config import EngineArgs
 from asyncllm.engine.arg_utils import create_engine_config
@@ -58,6 +61,7 @@ def main() -> None:
     ap.add_argument("--model", help="a model folder with its tokenizer (default: SmolLM2)")
     ap.add_argument("--schema", choices=("object", "array"), default="object")
     ap.add_argument("--paths", help="a JSON file: the token ids each row's matcher follows")
+    ap.add_argument("--threads", type=int, nargs="+", help="the grammar processes' threads")
     args = ap.parse_args()
     paths = None
     if args.paths:
@@ -70,31 +74,43 @@ def main() -> None:
     schema, text = (SCHEMA, TEXT) if args.schema == "object" else (ARRAY_SCHEMA, ARRAY_TEXT)
     config = create_engine_config(EngineArgs(model=args.model, device="cpu", load_format="dummy"))
     vocab = int(config.model.hf_config.vocab_size)
-    manager = StructuredOutputManager(config.model.tokenizer, vocab)
+    managers = {}  # threads -> a manager (and its grammar process)
+    for threads in args.threads or [envs.grammar_threads()]:
+        os.environ["ASYNCLLM_GRAMMAR_THREADS"] = str(threads)
+        managers[threads] = StructuredOutputManager(config.model.tokenizer, vocab, max_rows=256)
+    manager = next(iter(managers.values()))
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(config.model.tokenizer)(text).input_ids
     t0 = time.perf_counter()
-    first = manager.request(StructuredOutputsParams(json=schema))
-    first.future.result()
+    for m in managers.values():
+        first = m.request(StructuredOutputsParams(json=schema))
+        first.future.result()
     compile_s = time.perf_counter() - t0
     print(f"vocabulary {vocab}; first compilation (tokenizer info included) {compile_s:.2f} s")
+    fill_heads = "".join(f"{f'fill {t} µs':>12}" for t in managers)
     print(
-        f"{'batch':>5} {'fill µs':>9} {'one call µs':>12} {'threads µs':>11} {'apply µs':>9} "
-        f"{'accept µs':>10} {'fill µs/row':>12}"
+        f"{'batch':>5}{fill_heads} {'one call µs':>12} {'xgr threads µs':>15} {'apply µs':>9} "
+        f"{'accept µs':>10}"
     )
     import xgrammar
 
     one_call, threaded = xgrammar.BatchGrammarMatcher(1), xgrammar.BatchGrammarMatcher()
     rows = []
     for batch in args.batch:
-        reqs = [manager.request(StructuredOutputsParams(json=schema)) for _ in range(batch)]
-        for r in reqs:
-            r.future.result()
-            r.ready()
+        reqs_of = {
+            t: [m.request(StructuredOutputsParams(json=schema)) for _ in range(batch)]
+            for t, m in managers.items()
+        }
+        for reqs in reqs_of.values():
+            for r in reqs:
+                r.future.result()
+                r.ready()
+        reqs = reqs_of[next(iter(managers))]
         # (xgrammar's own matchers, here, for the one-call and threads columns)
         local = [xgrammar.GrammarMatcher(r.future.result()) for r in reqs]
-        fills, one_calls, threaded_fills, applies, accepts = [], [], [], [], []
+        fills: dict[int, list[float]] = {t: [] for t in managers}
+        one_calls, threaded_fills, applies, accepts = [], [], [], []
         logits = torch.randn(batch, vocab)
         idx = torch.arange(batch)
         for step in range(args.steps):
@@ -106,9 +122,11 @@ def main() -> None:
                 t0 = time.perf_counter()
                 batcher.batch_fill_next_token_bitmask(matchers, bitmask)
                 times.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            manager.fill_bitmask(bitmask, list(enumerate(reqs)))
-            fills.append(time.perf_counter() - t0)
+            for t, m in managers.items():
+                own = m.allocate_bitmask(batch)  # (each process fills its own buffers)
+                t0 = time.perf_counter()
+                m.fill_bitmask(own, list(enumerate(reqs_of[t])))
+                fills[t].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             apply_token_bitmask(logits, idx, bitmask)
             applies.append(time.perf_counter() - t0)
@@ -124,9 +142,14 @@ def main() -> None:
             t0 = time.perf_counter()
             refused = manager.accept([(i, r, t) for i, (r, t) in enumerate(zip(reqs, tokens))])
             accepts.append(time.perf_counter() - t0)
+            for t, m in list(managers.items())[1:]:
+                refused += m.accept(
+                    [(i, r, tok) for i, (r, tok) in enumerate(zip(reqs_of[t], tokens))]
+                )
             assert not refused and all(m.accept_token(t) for m, t in zip(local, tokens))
-        print(f"  ({len(fills)} steps)")
-        fill, apply = statistics.median(fills) * 1e6, statistics.median(applies) * 1e6
+        print(f"  ({len(applies)} steps)")
+        fill = {t: statistics.median(times) * 1e6 for t, times in fills.items()}
+        apply = statistics.median(applies) * 1e6
         one, many = statistics.median(one_calls) * 1e6, statistics.median(threaded_fills) * 1e6
         accept = statistics.median(accepts) * 1e6
         rows.append(
@@ -134,16 +157,15 @@ def main() -> None:
                 "batch": batch,
                 "fill_us": fill,
                 "one_call_us": one,
-                "threads_us": many,
+                "xgrammar_threads_us": many,
                 "apply_us": apply,
                 "accept_us": accept,
             }
         )
-        print(
-            f"{batch:>5} {fill:>9.1f} {one:>12.1f} {many:>11.1f} {apply:>9.1f} "
-            f"{accept:>10.1f} {fill / batch:>12.1f}"
-        )
-    manager.shutdown()
+        cells = "".join(f"{us:>12.1f}" for us in fill.values())
+        print(f"{batch:>5}{cells} {one:>12.1f} {many:>15.1f} {apply:>9.1f} {accept:>10.1f}")
+    for m in managers.values():
+        m.shutdown()
     print(json.dumps({"benchmark": "structured_overhead", "vocab": vocab, "rows": rows}))
 
 

@@ -5,7 +5,8 @@ Each batch size runs twice over the same prompts: once with a JSON schema (an ar
 short strings, long enough that `max_tokens` ends most requests before the grammar
 does) and once without constraints (EOS ignored, so both produce up to `max_tokens`).
 Throughput is the output tokens produced over the wall time of `LLM.generate`, after a
-warm-up pass of each kind. `--model DIR --load-format dummy` runs the same shapes with
+warm-up pass of each kind: the median of `--repeat` runs of each, taken in turn (free,
+constrained, free, ...) so that a lent host's drift falls on both. `--model DIR --load-format dummy` runs the same shapes with
 random weights (a folder with SmolLM2's config and tokenizer is enough). `--save-tokens
 FILE` writes the constrained outputs' token ids of the largest batch (for
 `structured_overhead.py --paths`: the fill's cost along them).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 from asyncllm import LLM, SamplingParams, StructuredOutputsParams
@@ -30,11 +32,16 @@ def run(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[list[list
     return [list(o.outputs[0].token_ids) for o in outs], wall
 
 
+def runs_text(rates: list[float]) -> str:
+    return "(" + ", ".join(f"{r:,.0f}" for r in rates) + ")"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_engine_args(ap, device="cuda", dtype="bfloat16")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs of each kind, alternating")
     ap.add_argument("--save-tokens", help="a JSON file for the constrained outputs' token ids")
     args = ap.parse_args()
     kwargs = engine_kwargs(args)
@@ -50,23 +57,31 @@ def main() -> None:
     try:
         for batch in args.batch:
             prompts = [f"List {batch} words about item {i}, as a JSON array:" for i in range(batch)]
-            row: dict = {"batch": batch}
-            for name, params in (("unconstrained", free), ("constrained", constrained)):
+            kinds = (("unconstrained", free), ("constrained", constrained))
+            for _, params in kinds:
                 run(llm, prompts, params)  # warm-up (and the grammar's compile, cached)
-                outputs, wall = run(llm, prompts, params)
-                tokens = sum(map(len, outputs))
-                row[name] = {"tokens": tokens, "s": round(wall, 3), "tok_s": round(tokens / wall)}
-                if name == "constrained" and args.save_tokens and batch == max(args.batch):
-                    with open(args.save_tokens, "w") as f:
-                        json.dump(outputs, f)
+            runs: dict[str, list[float]] = {name: [] for name, _ in kinds}
+            row: dict = {"batch": batch}
+            for _ in range(args.repeat):  # alternating, so a host's drift hits both alike
+                for name, params in kinds:
+                    outputs, wall = run(llm, prompts, params)
+                    tokens = sum(map(len, outputs))
+                    runs[name].append(tokens / wall)
+                    row[name] = {"tokens": tokens}
+                    if name == "constrained" and args.save_tokens and batch == max(args.batch):
+                        with open(args.save_tokens, "w") as f:
+                            json.dump(outputs, f)
+            for name, rates in runs.items():
+                row[name]["tok_s"] = round(statistics.median(rates))
+                row[name]["runs"] = [round(r) for r in rates]
             row["slowdown"] = round(
                 1 - row["constrained"]["tok_s"] / row["unconstrained"]["tok_s"], 4
             )
             rows.append(row)
             print(
-                f"batch {batch}: unconstrained {row['unconstrained']['tok_s']} tok/s, "
-                f"constrained {row['constrained']['tok_s']} tok/s "
-                f"({100 * row['slowdown']:.1f}% slower)"
+                f"batch {batch}: unconstrained {row['unconstrained']['tok_s']} tok/s "
+                f"{runs_text(runs['unconstrained'])}, constrained {row['constrained']['tok_s']} "
+                f"tok/s {runs_text(runs['constrained'])} ({100 * row['slowdown']:.1f}% slower)"
             )
     finally:
         llm.shutdown()

@@ -15,8 +15,9 @@ so a test or a host that sets a variable before starting an engine is heard.
 - `ASYNCLLM_PROGRESS`: `0` hides the progress bars of model conversion and weight
   loading (`asyncllm ... --quiet` sets it); by default they are drawn on stderr when it
   is a terminal (default `1`).
-- `ASYNCLLM_GRAMMAR_THREADS`: the threads xgrammar fills a step's grammar bitmask with
-  (default `1`: at 64 rows of a cheap grammar, more threads cost more than they save).
+- `ASYNCLLM_GRAMMAR_THREADS`: the most threads the grammar process splits a step's
+  accepts and bitmask fill over (default: half the CPUs this process may use, at most 8;
+  a thread gets at least 8 rows).
 """
 
 from __future__ import annotations
@@ -88,8 +89,15 @@ def hide_progress() -> None:
 
 
 def grammar_threads() -> int:
-    """xgrammar's threads for the bitmask fill ($ASYNCLLM_GRAMMAR_THREADS, default 1)."""
-    value = os.environ.get("ASYNCLLM_GRAMMAR_THREADS", "1")
+    """The grammar process's threads for a step's accepts and fill
+    ($ASYNCLLM_GRAMMAR_THREADS; default half the usable CPUs, 1 to 8)."""
+    value = os.environ.get("ASYNCLLM_GRAMMAR_THREADS")
+    if value is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):  # (not on every platform)
+            cpus = os.cpu_count() or 1
+        return max(1, min(8, cpus // 2))
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"ASYNCLLM_GRAMMAR_THREADS must be a positive int, got {value!r}")
     return int(value)

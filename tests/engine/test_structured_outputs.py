@@ -553,3 +553,53 @@ def test_a_lost_grammar_process_ends_only_the_requests_it_held(sync_engine):
     assert outs["after"][-1].finish_reason == "stop" and outs["after"][-1].error is None
     assert core.structured._process is not None and core.structured._process is not process
     assert core.kv_cache_manager.num_free_blocks == core.num_blocks
+
+
+def test_a_step_split_over_threads_fills_and_refuses_as_one_call():
+    """The grammar process's StepThreads: a step's accepts and fill split over threads
+    (every k-th row, with its matcher's accepts) leave the same bitmask and name the same
+    refused positions as one thread doing all in order, for 40 rows of two grammars, a
+    matcher taking two tokens, a refused token and an accept whose matcher has no row."""
+    import torch
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from asyncllm.model.source import embedded_model_path
+    from asyncllm.structured.grammar import build_grammar, grammar_key
+    from asyncllm.structured.grammar_process import MIN_ROWS_PER_THREAD, StepThreads
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_model_path()))
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
+    compiler = xgr.GrammarCompiler(info, max_threads=1)
+    grammars = [
+        compiler.compile_grammar(build_grammar(grammar_key(S(json=SCHEMAS[4])))),
+        compiler.compile_grammar(build_grammar(grammar_key(S(regex=r"[0-9]{2,30}")))),
+    ]
+    rows = 40
+    assert rows // MIN_ROWS_PER_THREAD >= 3  # (three parts)
+    texts = ['{"tags": ["ab', "12345"]
+    steps = [tok.encode(t) for t in texts]
+
+    def run(threads: StepThreads) -> tuple[torch.Tensor, list[list[int]]]:
+        matchers = [xgr.GrammarMatcher(grammars[i % 2]) for i in range(rows + 1)]
+        bitmask = torch.zeros(rows, -(-len(tok) // 32), dtype=torch.int32)
+        fills = [(rows - 1 - i, m) for i, m in enumerate(matchers[:rows])]  # (rows reversed)
+        refused_each = []
+        for step in range(max(map(len, steps))):
+            accepts = []
+            for i, m in enumerate(matchers):
+                ids = steps[i % 2]
+                if step < len(ids):
+                    accepts.append((m, ids[step]))
+            accepts.append((matchers[1], tok.encode("x")[0]))  # (refused: not a digit)
+            if step == 0:  # (a matcher with two tokens, in order)
+                accepts.append((matchers[3], tok.encode("7")[0]))
+            refused_each.append(threads.run(accepts, fills, bitmask))
+        return bitmask, refused_each
+
+    one, refused_one = run(StepThreads(1, xgr))
+    three, refused_three = run(StepThreads(3, xgr))
+    assert torch.equal(one, three)
+    assert refused_one == refused_three
+    assert all(r for r in refused_one)  # (the "x" each step)
+    assert bool((one != 0).any(dim=1).all())  # (every row filled)

@@ -9,6 +9,7 @@ request gets, and each step one message: the tokens the matchers accept, then th
 to fill. The process fills rows of the two bitmask buffers it shares with the core (a
 memory-mapped file the core opened, passed as a descriptor, as is the tokenizer's
 information) and answers the step with the positions of the tokens the grammars refused.
+A step's accepts and fill are split over THREADS threads of the process (`StepThreads`).
 
 Frames on the pipes: a 4-byte big-endian length, then msgpack. The child's stdin carries
 the core's messages; its real stdout (stdout itself is pointed at stderr) carries one
@@ -26,6 +27,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -36,6 +38,9 @@ from asyncllm import envs
 
 _HEADER = 4
 _LIVENESS_S = 1.0  # (how often a wait for an answer checks that the process lives)
+# A thread of the step's fill gets at least this many rows (one row is ~5-15 µs of
+# xgrammar, waking a thread ~10-30 µs).
+MIN_ROWS_PER_THREAD = 8
 # The longest a step's answer may take (its fill is milliseconds), and the start's
 # (importing xgrammar and torch on a loaded machine): past it the process counts as lost.
 STEP_TIMEOUT_S = 60.0
@@ -103,6 +108,96 @@ def raw_batch_accept(xgr: Any) -> Any:
     return lambda matchers, tokens: raw([m._handle for m in matchers], tokens, False)
 
 
+class StepThreads:
+    """A step's accepts and bitmask fill on up to `threads` threads: this one and
+    `threads - 1` made once, each woken by its own semaphore. Part i takes every k-th
+    row of the fill (k parts, at least MIN_ROWS_PER_THREAD rows each) and the accepts of
+    those rows' matchers, so no matcher is touched by two threads and each matcher takes
+    its tokens in order before its row is filled. xgrammar gives up the GIL in its calls,
+    so the parts run in parallel. (xgrammar's own BatchGrammarMatcher threads are not
+    used: it starts a new pool on every call, which costs more than 64 rows' fill.)"""
+
+    def __init__(self, threads: int, xgr: Any) -> None:
+        self.batchers = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(threads)]
+        self._batch_accept = raw_batch_accept(xgr)
+        self._go = [threading.Semaphore(0) for _ in range(threads)]
+        self._done = threading.Semaphore(0)
+        self._work: list[Any] = [None] * threads
+        self._results: list[Any] = [None] * threads
+        for i in range(1, threads):
+            name = f"asyncllm-grammar-fill-{i}"
+            threading.Thread(target=self._serve, args=(i,), name=name, daemon=True).start()
+
+    def run(
+        self, accepts: list[tuple[Any, int]], fills: list[tuple[int, Any]], bitmask: Any
+    ) -> list[int]:
+        """Each matcher of `accepts` ((matcher, token), in order) takes its token, then
+        each matcher of `fills` ((row, matcher)) fills its row of `bitmask`; the
+        positions in `accepts` of the tokens refused, ascending. Raises what xgrammar
+        raised (the parts that ran are done)."""
+        k = min(len(self.batchers), max(1, len(fills) // MIN_ROWS_PER_THREAD))
+        if k > 1 and len({id(m) for _, m in fills}) < len(fills):
+            k = 1  # (a matcher with two rows: its rows on one thread)
+        if k == 1:
+            return self._part(0, list(range(len(accepts))), accepts, fills, bitmask)
+        part_of = {id(m): i % k for i, (_, m) in enumerate(fills)}
+        positions: list[list[int]] = [[] for _ in range(k)]
+        for pos, (m, _) in enumerate(accepts):
+            positions[part_of.get(id(m), 0)].append(pos)
+        for i in range(k):
+            self._work[i] = (
+                positions[i],
+                [accepts[pos] for pos in positions[i]],
+                fills[i::k],
+                bitmask,
+            )
+        for i in range(1, k):
+            self._go[i].release()
+        refused: list[int] = []
+        error: BaseException | None = None
+        try:
+            refused += self._part(0, *self._work[0])
+        except Exception as e:  # noqa: BLE001 (raised once every part has ended)
+            error = e
+        for _ in range(1, k):
+            self._done.acquire()
+        for i in range(1, k):
+            result, self._results[i], self._work[i] = self._results[i], None, None
+            if isinstance(result, BaseException):
+                error = error or result
+            else:
+                refused += result
+        if error is not None:
+            raise error
+        return sorted(refused)
+
+    def _part(
+        self,
+        i: int,
+        positions: list[int],
+        accepts: list[tuple[Any, int]],
+        fills: list[tuple[int, Any]],
+        bitmask: Any,
+    ) -> list[int]:
+        refused = accept_tokens(
+            [m for m, _ in accepts], [t for _, t in accepts], self._batch_accept
+        )
+        if fills:
+            self.batchers[i].batch_fill_next_token_bitmask(
+                [m for _, m in fills], bitmask, [r for r, _ in fills]
+            )
+        return [positions[j] for j in refused]
+
+    def _serve(self, i: int) -> None:
+        while True:
+            self._go[i].acquire()
+            try:
+                self._results[i] = self._part(i, *self._work[i])
+            except BaseException as e:  # noqa: BLE001 (the step's error, for run())
+                self._results[i] = e
+            self._done.release()
+
+
 def main(argv: list[str]) -> None:
     info_fd, fd, rows, words, threads = map(int, argv[:5])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a terminal's Ctrl-C is the host's)
@@ -115,8 +210,7 @@ def main(argv: list[str]) -> None:
         info = xgr.TokenizerInfo.deserialize_json(f.read().decode())
     shared = mmap.mmap(fd, buffer_bytes(rows, words))
     buffers = np.frombuffer(shared, dtype=np.int32).reshape(2, rows, words)
-    batch = xgr.BatchGrammarMatcher(max_threads=threads)
-    batch_accept = raw_batch_accept(xgr)
+    step = StepThreads(threads, xgr)
     grammars: dict[int, Any] = {}
     matchers: dict[int, Any] = {}
     stdin = sys.stdin.fileno()
@@ -136,14 +230,9 @@ def main(argv: list[str]) -> None:
                 matchers.pop(mid, None)
         elif kind == "step":  # [_, [[matcher id, token], ...], buffer, [[row, matcher id], ...]]
             try:
-                refused = accept_tokens(
-                    [matchers[m] for m, _ in msg[1]], [t for _, t in msg[1]], batch_accept
-                )
-                if msg[3]:
-                    batch.batch_fill_next_token_bitmask(
-                        [matchers[m] for _, m in msg[3]], buffers[msg[2]], [r for r, _ in msg[3]]
-                    )
-                _send(replies, ["ok", refused])
+                accepts = [(matchers[m], t) for m, t in msg[1]]
+                fills = [(r, matchers[m]) for r, m in msg[3]]
+                _send(replies, ["ok", step.run(accepts, fills, buffers[msg[2]])])
             except Exception as e:  # noqa: BLE001 (the step's error, told to the core)
                 _send(replies, ["error", f"{type(e).__name__}: {e}"])
         else:  # (ends the process: the core then finds it gone)

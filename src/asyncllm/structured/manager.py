@@ -304,8 +304,8 @@ class StructuredOutputManager:
 
     def fill_bitmask(self, bitmask: torch.Tensor, rows: Rows) -> None:
         """Fills `bitmask`'s rows from their requests' matchers ((row, request) pairs),
-        and waits. One xgrammar call in the grammar process, on one thread unless
-        ASYNCLLM_GRAMMAR_THREADS says otherwise."""
+        and waits. In the grammar process, split over its threads
+        (ASYNCLLM_GRAMMAR_THREADS) where there are enough rows."""
         self.start_fill(bitmask, rows, []).wait()
 
     def allocate_bitmask(self, rows: int, user: Any = None) -> torch.Tensor:
