@@ -6,9 +6,11 @@ advanced along a valid output (the sample text where the grammar allows it) so t
 masks are those of real steps. "fill T" is the engine's (`StructuredOutputManager.
 fill_bitmask`: the grammar process's fill split over at most T threads, and the round
 trip to it), one grammar process for each T of `--threads` (default: the engine's
-default, ASYNCLLM_GRAMMAR_THREADS); "one call" fills every row in one call to xgrammar's
-BatchGrammarMatcher with one thread, "xgr threads" with its own default thread count
-(both with matchers of this process); "accept" is every matcher accepting its next token
+default, ASYNCLLM_GRAMMAR_THREADS); "split T" is the grammar process's code for that
+(`StepThreads`) run in this process, without the round trip; "one call" fills every row
+in one call to xgrammar's BatchGrammarMatcher with one thread, "xgr threads" with
+xgrammar's own threads (its default count, a new pool each call; all three with matchers
+of this process); "accept" is every matcher accepting its next token
 (the engine's `StructuredOutputManager.accept`, in the first process: the round trip
 included).
 
@@ -35,6 +37,7 @@ from asyncllm.config import EngineArgs
 from asyncllm.engine.arg_utils import create_engine_config
 from asyncllm.sample.ops import apply_token_bitmask
 from asyncllm.sampling_params import StructuredOutputsParams
+from asyncllm.structured.grammar_process import StepThreads
 from asyncllm.structured.manager import StructuredOutputManager
 
 SCHEMA = {
@@ -75,20 +78,22 @@ def main() -> None:
     config = create_engine_config(EngineArgs(model=args.model, device="cpu", load_format="dummy"))
     vocab = int(config.model.hf_config.vocab_size)
     managers = {}  # threads -> a manager (and its grammar process)
+    compile_s = 0.0
     for threads in args.threads or [envs.grammar_threads()]:
         os.environ["ASYNCLLM_GRAMMAR_THREADS"] = str(threads)
         managers[threads] = StructuredOutputManager(config.model.tokenizer, vocab, max_rows=256)
+        t0 = (
+            time.perf_counter()
+        )  # (its process starts with its first grammar, reading the variable)
+        managers[threads].request(StructuredOutputsParams(json=schema)).future.result()
+        compile_s = compile_s or time.perf_counter() - t0
     manager = next(iter(managers.values()))
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(config.model.tokenizer)(text).input_ids
-    t0 = time.perf_counter()
-    for m in managers.values():
-        first = m.request(StructuredOutputsParams(json=schema))
-        first.future.result()
-    compile_s = time.perf_counter() - t0
     print(f"vocabulary {vocab}; first compilation (tokenizer info included) {compile_s:.2f} s")
     fill_heads = "".join(f"{f'fill {t} µs':>12}" for t in managers)
+    fill_heads += "".join(f"{f'split {t} µs':>13}" for t in managers)
     print(
         f"{'batch':>5}{fill_heads} {'one call µs':>12} {'xgr threads µs':>15} {'apply µs':>9} "
         f"{'accept µs':>10}"
@@ -96,6 +101,7 @@ def main() -> None:
     import xgrammar
 
     one_call, threaded = xgrammar.BatchGrammarMatcher(1), xgrammar.BatchGrammarMatcher()
+    splits = {t: StepThreads(t, xgrammar) for t in managers}
     rows = []
     for batch in args.batch:
         reqs_of = {
@@ -111,6 +117,7 @@ def main() -> None:
         local = [xgrammar.GrammarMatcher(r.future.result()) for r in reqs]
         fills: dict[int, list[float]] = {t: [] for t in managers}
         one_calls, threaded_fills, applies, accepts = [], [], [], []
+        split_fills: dict[int, list[float]] = {t: [] for t in splits}
         logits = torch.randn(batch, vocab)
         idx = torch.arange(batch)
         for step in range(args.steps):
@@ -118,6 +125,10 @@ def main() -> None:
                 break
             bitmask = manager.allocate_bitmask(batch)
             matchers = local
+            for t, split in splits.items():
+                t0 = time.perf_counter()
+                split.run([], list(enumerate(matchers)), bitmask)
+                split_fills[t].append(time.perf_counter() - t0)
             for batcher, times in ((one_call, one_calls), (threaded, threaded_fills)):
                 t0 = time.perf_counter()
                 batcher.batch_fill_next_token_bitmask(matchers, bitmask)
@@ -149,6 +160,7 @@ def main() -> None:
             assert not refused and all(m.accept_token(t) for m, t in zip(local, tokens))
         print(f"  ({len(applies)} steps)")
         fill = {t: statistics.median(times) * 1e6 for t, times in fills.items()}
+        split = {t: statistics.median(times) * 1e6 for t, times in split_fills.items()}
         apply = statistics.median(applies) * 1e6
         one, many = statistics.median(one_calls) * 1e6, statistics.median(threaded_fills) * 1e6
         accept = statistics.median(accepts) * 1e6
@@ -156,6 +168,7 @@ def main() -> None:
             {
                 "batch": batch,
                 "fill_us": fill,
+                "split_us": split,
                 "one_call_us": one,
                 "xgrammar_threads_us": many,
                 "apply_us": apply,
@@ -163,6 +176,7 @@ def main() -> None:
             }
         )
         cells = "".join(f"{us:>12.1f}" for us in fill.values())
+        cells += "".join(f"{us:>13.1f}" for us in split.values())
         print(f"{batch:>5}{cells} {one:>12.1f} {many:>15.1f} {apply:>9.1f} {accept:>10.1f}")
     for m in managers.values():
         m.shutdown()
