@@ -83,3 +83,20 @@ def test_max_model_len_beyond_the_model_is_rejected(smollm_config):
 def test_triton_attention_needs_cuda(smollm_config):
     with pytest.raises(ValueError, match="attention_backend 'triton' needs a CUDA device"):
         create_engine_config(EngineArgs(device="cpu", attention_backend="triton"))
+
+
+def test_grammar_threads_default_to_half_the_usable_cpus_and_refuse_junk(monkeypatch):
+    import os
+
+    from asyncllm import envs
+
+    monkeypatch.delenv("ASYNCLLM_GRAMMAR_THREADS", raising=False)
+    for cpus, threads in ((1, 1), (2, 1), (4, 2), (16, 8), (64, 8)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        assert envs.grammar_threads() == threads
+    monkeypatch.setenv("ASYNCLLM_GRAMMAR_THREADS", "3")
+    assert envs.grammar_threads() == 3
+    for junk in ("0", "-1", "two", ""):
+        monkeypatch.setenv("ASYNCLLM_GRAMMAR_THREADS", junk)
+        with pytest.raises(ValueError, match="ASYNCLLM_GRAMMAR_THREADS"):
+            envs.grammar_threads()
