@@ -14,7 +14,7 @@ os.environ.setdefault("ASYNCLLM_CACHE", str(ROOT / ".cache" / "asyncllm-test"))
 # Dozens of engines start in one test process: a full collection at each start would
 # cost seconds in all (test_frontend.py checks the freeze itself).
 os.environ.setdefault("ASYNCLLM_GC_FREEZE", "0")
-# The grammar process splits a step of 16 constrained rows or more over 2 threads, as it
+# The grammar process splits a step of 32 constrained rows or more over 2 threads, as it
 # does on a machine of 4 CPUs or more (a 2-CPU machine's default is 1).
 os.environ.setdefault("ASYNCLLM_GRAMMAR_THREADS", "2")
 

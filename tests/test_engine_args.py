@@ -85,13 +85,13 @@ def test_triton_attention_needs_cuda(smollm_config):
         create_engine_config(EngineArgs(device="cpu", attention_backend="triton"))
 
 
-def test_grammar_threads_default_to_half_the_usable_cpus_and_refuse_junk(monkeypatch):
+def test_grammar_threads_default_to_half_the_usable_cpus_up_to_4_and_refuse_junk(monkeypatch):
     import os
 
     from asyncllm import envs
 
     monkeypatch.delenv("ASYNCLLM_GRAMMAR_THREADS", raising=False)
-    for cpus, threads in ((1, 1), (2, 1), (4, 2), (16, 8), (64, 8)):
+    for cpus, threads in ((1, 1), (2, 1), (4, 2), (6, 3), (16, 4), (64, 4)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
         assert envs.grammar_threads() == threads
     monkeypatch.setenv("ASYNCLLM_GRAMMAR_THREADS", "3")

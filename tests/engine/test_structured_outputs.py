@@ -558,7 +558,7 @@ def test_a_lost_grammar_process_ends_only_the_requests_it_held(sync_engine):
 def test_a_step_split_over_threads_fills_and_refuses_as_one_call():
     """The grammar process's StepThreads: a step's accepts and fill split over threads
     (every k-th row, with its matcher's accepts) leave the same bitmask and name the same
-    refused positions as one thread doing all in order, for 40 rows of two grammars, a
+    refused positions as one thread doing all in order, for 56 rows of two grammars, a
     matcher taking two tokens, a refused token and an accept whose matcher has no row."""
     import torch
     import xgrammar as xgr
@@ -575,7 +575,7 @@ def test_a_step_split_over_threads_fills_and_refuses_as_one_call():
         compiler.compile_grammar(build_grammar(grammar_key(S(json=SCHEMAS[4])))),
         compiler.compile_grammar(build_grammar(grammar_key(S(regex=r"[0-9]{2,30}")))),
     ]
-    rows = 40
+    rows = 56
     assert rows // MIN_ROWS_PER_THREAD >= 3  # (three parts)
     texts = ['{"tags": ["ab', "12345"]
     steps = [tok.encode(t) for t in texts]

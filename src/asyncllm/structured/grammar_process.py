@@ -38,9 +38,10 @@ from asyncllm import envs
 
 _HEADER = 4
 _LIVENESS_S = 1.0  # (how often a wait for an answer checks that the process lives)
-# A thread of the step's fill gets at least this many rows (one row is ~5-15 µs of
-# xgrammar, waking a thread ~10-30 µs).
-MIN_ROWS_PER_THREAD = 8
+# A thread of the step's fill gets at least this many rows (one row is ~5-20 µs of
+# xgrammar; each thread costs a wake-up and its turn at the GIL around its calls: on the
+# H200 host 64 rows filled fastest on 4 threads, and 16 rows on 2 were slower than on 1).
+MIN_ROWS_PER_THREAD = 16
 # The longest a step's answer may take (its fill is milliseconds), and the start's
 # (importing xgrammar and torch on a loaded machine): past it the process counts as lost.
 STEP_TIMEOUT_S = 60.0
