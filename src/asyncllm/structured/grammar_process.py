@@ -116,7 +116,8 @@ class StepThreads:
     those rows' matchers, so no matcher is touched by two threads and each matcher takes
     its tokens in order before its row is filled. xgrammar gives up the GIL in its calls,
     so the parts run in parallel. (xgrammar's own BatchGrammarMatcher threads are not
-    used: it starts a new pool on every call, which costs more than 64 rows' fill.)"""
+    used: it starts a new pool on every call, which makes its cost erratic: on the H200
+    host 666 µs for 64 rows but 3,309 µs for 16, against 707 and 291 here.)"""
 
     def __init__(self, threads: int, xgr: Any) -> None:
         self.batchers = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(threads)]
