@@ -92,6 +92,8 @@ for s in "$@"; do
     # Where a constrained batch-64 step's host time goes, on the step's thread
     structured-timeline) stage "$s" python3 -P benchmarks/structured_timeline.py --model .whl_a/smol-config \
         --load-format dummy --batch 64 ;;
+    structured-timeline-free) stage "$s" python3 -P benchmarks/structured_timeline.py \
+        --model .whl_a/smol-config --load-format dummy --batch 64 --free ;;
     http-serving) stage "$s" python3 benchmarks/http_serving.py --device cuda ;;
     test-gpu) stage "$s" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider ;;
     test-gpu-but-attention) stage "$s" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider --ignore tests/kernels/test_gpu_attention.py ;;
