@@ -364,13 +364,27 @@ def test_a_constrained_request_decodes_every_step(llm):
 
 def test_the_next_fill_starts_before_a_steps_results_are_applied():
     """With async scheduling, the matchers get a step's tokens (and the next mask's
-    fill starts, in the grammar process) before the scheduler applies that step: each
-    constrained token is accepted once, and before its update. Requests that end by
-    their grammar (a choice, a regex) and by max_tokens keep their constraints."""
+    fill starts, in the grammar process) before the scheduler applies that step, and
+    before the step whose masks they are is launched: each constrained token is accepted
+    once, and before its update. Requests that end by their grammar (a choice, a regex)
+    and by max_tokens keep their constraints."""
     llm = LLM(device="cpu", multiprocess=False, max_model_len=256)
     core = llm.engine.client.core
     events: list[tuple[str, list[int]]] = []
     start_fill, update = core.structured.start_fill, core.scheduler.update_from_output
+    fill_masks, launch = core.scheduler.fill_grammar_bitmask, core.executor.execute_model_async
+    order: list[tuple[str, int]] = []  # ("fill" | "launch", id of the step)
+    steps = []  # (kept alive: their ids stay theirs)
+
+    def logged_fill_masks(sched, *args, **kwargs):
+        steps.append(sched)
+        order.append(("fill", id(sched)))
+        return fill_masks(sched, *args, **kwargs)
+
+    def logged_launch(sched):
+        if sched.grammar_bitmask_later:
+            order.append(("launch", id(sched)))
+        return launch(sched)
 
     def logged_start_fill(bitmask, rows, accepts):
         events.append(("accept", [t for _, _, t in accepts]))
@@ -386,6 +400,8 @@ def test_the_next_fill_starts_before_a_steps_results_are_applied():
 
     core.structured.start_fill = logged_start_fill
     core.scheduler.update_from_output = logged_update
+    core.scheduler.fill_grammar_bitmask = logged_fill_masks
+    core.executor.execute_model_async = logged_launch
     params = [
         SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=S(regex=r"[0-9]{10}")),
         SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=S(choice=CHOICES)),
@@ -410,6 +426,11 @@ def test_the_next_fill_starts_before_a_steps_results_are_applied():
     assert accepted <= updated == kept
     # every step's tokens but the last's (no fill follows it) went to the matchers first
     assert ahead[:-1] and all(ahead[:-1]), ahead
+    # and each step launched split had its fill started before its launch
+    launched = [step for kind, step in order if kind == "launch"]
+    assert len(launched) >= 5, order
+    for step in launched:
+        assert order.index(("fill", step)) < order.index(("launch", step)), order
 
 
 def test_properties_are_generated_in_the_schema_order(llm):

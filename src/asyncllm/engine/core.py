@@ -32,7 +32,7 @@ from asyncllm.messages import (
     SchedulerStats,
 )
 from asyncllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
-from asyncllm.step_io import SchedulerOutput
+from asyncllm.step_io import ModelRunnerOutput, SchedulerOutput
 from asyncllm.structured.manager import FillJob, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -175,11 +175,11 @@ class EngineCore:
         launched = applied = False
         # Launch steps until `_depth` are in flight (or nothing more can be scheduled),
         # then apply the oldest: each call ends with one step's results. A step whose
-        # grammar masks need the tokens in flight applies those steps, its fill starting
-        # in the grammar process as soon as the last one's tokens are in (before they
-        # are applied), and is the last launched by this call. Where the launch splits,
-        # that fill also runs while this call returns and the next one schedules; the
-        # step samples once it is done (`_finish_fill`).
+        # grammar masks need the tokens in flight waits for the last step's tokens and
+        # starts its fill in the grammar process before anything else (its own launch,
+        # the last step's results), and is the last launched by this call. Where the
+        # launch splits, that fill also runs while this call returns and the next one
+        # schedules; the step samples once it is done (`_finish_fill`).
         while self.scheduler.has_unfinished_requests() and len(self._in_flight) < self._depth:
             sched = self.scheduler.schedule()
             outputs.extend(self.scheduler.take_error_outputs())
@@ -190,14 +190,21 @@ class EngineCore:
                 break
             masks_due = self.scheduler.masks_due(sched)
             split = masks_due and self.executor.splits_launch
-            if masks_due and not split:
-                applied |= self._apply_and_fill(sched, 0, outputs)
+            job = ahead = None
+            if masks_due:
+                job, ahead, applied_now = self._start_fill(sched, outputs)
+                applied |= applied_now
+                if not split:  # (the step ahead is applied while the fill runs)
+                    applied |= self._apply_ahead(ahead, outputs)
+                    if job is not None:
+                        self.scheduler.finish_fill(job)
             sched.grammar_bitmask_later = split
             future = self.executor.execute_model_async(sched)
             self._in_flight.append((sched, future))
             launched = True
-            if split:  # its forward runs while the step before is applied
-                applied |= self._apply_and_fill(sched, 1, outputs, future)
+            if split:  # its forward and fill run while the step before is applied
+                self._filling = (future, job)
+                applied |= self._apply_ahead(ahead, outputs)
             if masks_due:
                 break
         if self._in_flight and not applied:
@@ -232,30 +239,32 @@ class EngineCore:
             finally:
                 future.finish_launch()
 
-    def _apply_and_fill(
-        self, sched: SchedulerOutput, keep: int, outputs: list, future: StepFuture | None = None
-    ) -> bool:
-        """Applies the steps in flight but the last `keep` and fills `sched`'s grammar
-        bitmask, whose matchers need their tokens; whether any step was applied. The
-        fill starts as soon as the last of those steps' tokens are known, and runs in
-        the grammar process while that step's results are applied. With `future`
-        (`sched`'s, launched split) the fill is left running (`_finish_fill` waits for
-        it); without, it is waited for here."""
-        applied = self._apply_all_but(keep + 1, outputs)
+    def _start_fill(
+        self, sched: SchedulerOutput, outputs: list
+    ) -> tuple[FillJob | None, tuple[SchedulerOutput, ModelRunnerOutput] | None, bool]:
+        """Starts `sched`'s grammar fill, whose matchers need the tokens in flight: the
+        steps in flight but the last are applied, then the last one's tokens are waited
+        for and go to the matchers with the fill, in the grammar process. The fill's
+        job (None: nothing to fill), that last step with its runner output (None: none
+        was in flight; `_apply_ahead` applies it next), and whether a step was applied.
+        """
+        applied = self._apply_all_but(1, outputs)
         ahead = None
-        if len(self._in_flight) > keep:
+        if self._in_flight:
             self._finish_fill()
             before, before_future = self._in_flight.popleft()
             ahead = (before, before_future.result())
         job = self.scheduler.fill_grammar_bitmask(sched, wait=False, ahead=ahead)
-        if ahead is not None:
-            outputs.extend(self.scheduler.update_from_output(*ahead))
-            applied = True
-        if future is not None:
-            self._filling = (future, job)
-        elif job is not None:
-            self.scheduler.finish_fill(job)
-        return applied
+        return job, ahead, applied
+
+    def _apply_ahead(
+        self, ahead: tuple[SchedulerOutput, ModelRunnerOutput] | None, outputs: list
+    ) -> bool:
+        """Applies the step `_start_fill` took out of flight; whether there was one."""
+        if ahead is None:
+            return False
+        outputs.extend(self.scheduler.update_from_output(*ahead))
+        return True
 
     def _apply_all_but(self, keep: int, outputs: list) -> bool:
         """Applies the steps in flight but the last `keep`; whether any was applied."""
