@@ -80,11 +80,10 @@ def main() -> None:
     managers = {}  # threads -> a manager (and its grammar process)
     compile_s = 0.0
     for threads in args.threads or [envs.grammar_threads()]:
+        # (a manager's process starts with its first grammar, reading the variable then)
         os.environ["ASYNCLLM_GRAMMAR_THREADS"] = str(threads)
         managers[threads] = StructuredOutputManager(config.model.tokenizer, vocab, max_rows=256)
-        t0 = (
-            time.perf_counter()
-        )  # (its process starts with its first grammar, reading the variable)
+        t0 = time.perf_counter()
         managers[threads].request(StructuredOutputsParams(json=schema)).future.result()
         compile_s = compile_s or time.perf_counter() - t0
     manager = next(iter(managers.values()))

@@ -25,18 +25,12 @@ from collections.abc import Callable
 import torch
 
 from asyncllm.config import EngineConfig
+from asyncllm.envs import available_cpus
 
 logger = logging.getLogger(__name__)
 
 WINDOW_S = 1.0  # how long one reading of the machine's load spans
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # /proc/stat: user nice system (idle iowait) irq softirq steal
-
-
-def available_cpus() -> list[int]:
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # (not on every platform)
-        return list(range(os.cpu_count() or 1))
 
 
 def busy_cpu_seconds(cpus: list[int], stat_path: str = "/proc/stat") -> float:

@@ -122,7 +122,7 @@ class StepThreads:
     def __init__(self, threads: int, xgr: Any) -> None:
         self.batchers = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(threads)]
         self._batch_accept = raw_batch_accept(xgr)
-        self._go = [threading.Semaphore(0) for _ in range(threads)]
+        self._go = [threading.Semaphore(0) for _ in range(threads)]  # ([0]: this thread's, unused)
         self._done = threading.Semaphore(0)
         self._work: list[Any] = [None] * threads
         self._results: list[Any] = [None] * threads
