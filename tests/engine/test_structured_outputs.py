@@ -366,29 +366,47 @@ def test_the_next_fill_starts_before_a_steps_results_are_applied():
     """With async scheduling, the matchers get a step's tokens (and the next mask's
     fill starts, in the grammar process) before the scheduler applies that step, and
     before the step whose masks they are is launched: each constrained token is accepted
-    once, and before its update. Requests that end by their grammar (a choice, a regex)
-    and by max_tokens keep their constraints."""
+    once, and before its update. The fill is sent as soon as its step is scheduled,
+    before the fill in flight is waited for (its tokens follow). Requests that end by
+    their grammar (a choice, a regex) and by max_tokens keep their constraints."""
+    from asyncllm.structured.manager import FillJob
+
     llm = LLM(device="cpu", multiprocess=False, max_model_len=256)
     core = llm.engine.client.core
     events: list[tuple[str, list[int]]] = []
     start_fill, update = core.structured.start_fill, core.scheduler.update_from_output
-    fill_masks, launch = core.scheduler.fill_grammar_bitmask, core.executor.execute_model_async
-    order: list[tuple[str, int]] = []  # ("fill" | "launch", id of the step)
+    plan, launch = core.scheduler.plan_grammar_fill, core.executor.execute_model_async
+    give_tokens, wait = FillJob.give_tokens, FillJob.wait
+    # ("plan" | "launch", id of the step) and ("wait", id of the step whose fill it is)
+    order: list[tuple[str, int]] = []
     steps = []  # (kept alive: their ids stay theirs)
+    step_of: dict[int, int] = {}  # id(job) -> id(its step)
 
-    def logged_fill_masks(sched, *args, **kwargs):
+    def logged_plan(sched, *args, **kwargs):
         steps.append(sched)
-        order.append(("fill", id(sched)))
-        return fill_masks(sched, *args, **kwargs)
+        order.append(("plan", id(sched)))
+        job = plan(sched, *args, **kwargs)
+        if job is not None:
+            steps.append(job)
+            step_of[id(job)] = id(sched)
+        return job
 
     def logged_launch(sched):
         if sched.grammar_bitmask_later:
             order.append(("launch", id(sched)))
         return launch(sched)
 
-    def logged_start_fill(bitmask, rows, accepts):
+    def logged_start_fill(bitmask, rows, accepts, ahead=None):
         events.append(("accept", [t for _, _, t in accepts]))
-        return start_fill(bitmask, rows, accepts)
+        return start_fill(bitmask, rows, accepts, ahead)
+
+    def logged_give_tokens(job, tokens):
+        events.append(("accept", [t for toks in tokens for t in toks]))
+        return give_tokens(job, tokens)
+
+    def logged_wait(job):
+        order.append(("wait", step_of.get(id(job), 0)))
+        return wait(job)
 
     def logged_update(sched, runner):
         outputs = update(sched, runner)
@@ -400,8 +418,9 @@ def test_the_next_fill_starts_before_a_steps_results_are_applied():
 
     core.structured.start_fill = logged_start_fill
     core.scheduler.update_from_output = logged_update
-    core.scheduler.fill_grammar_bitmask = logged_fill_masks
+    core.scheduler.plan_grammar_fill = logged_plan
     core.executor.execute_model_async = logged_launch
+    FillJob.give_tokens, FillJob.wait = logged_give_tokens, logged_wait
     params = [
         SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=S(regex=r"[0-9]{10}")),
         SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=S(choice=CHOICES)),
@@ -414,6 +433,7 @@ def test_the_next_fill_starts_before_a_steps_results_are_applied():
         assert outs[2].outputs[0].finish_reason == "length"
         _idle(llm)
     finally:
+        FillJob.give_tokens, FillJob.wait = give_tokens, wait
         llm.shutdown()
     accepted, updated, ahead = 0, 0, []
     for kind, tokens in events:
@@ -426,11 +446,14 @@ def test_the_next_fill_starts_before_a_steps_results_are_applied():
     assert accepted <= updated == kept
     # every step's tokens but the last's (no fill follows it) went to the matchers first
     assert ahead[:-1] and all(ahead[:-1]), ahead
-    # and each step launched split had its fill started before its launch
+    # each step launched split had its fill sent before its launch
     launched = [step for kind, step in order if kind == "launch"]
     assert len(launched) >= 5, order
     for step in launched:
-        assert order.index(("fill", step)) < order.index(("launch", step)), order
+        assert order.index(("plan", step)) < order.index(("launch", step)), order
+    # and before the fill of the split step before it was waited for
+    for before, step in zip(launched, launched[1:]):
+        assert order.index(("plan", step)) < order.index(("wait", before)), order
 
 
 def test_properties_are_generated_in_the_schema_order(llm):
@@ -478,6 +501,59 @@ def test_matchers_accept_a_steps_tokens_at_once_and_name_each_refused_one():
         assert allowed == [[1, 0]] * 3
         with pytest.raises(ValueError, match="max_rows"):
             manager.allocate_bitmask(5)
+    finally:
+        manager.shutdown()
+
+
+def test_a_step_sent_before_its_tokens_waits_for_them_in_the_grammar_process():
+    """A step sent with `ahead` accepts (the engine sends it before the tokens of the
+    step in flight are known) runs once `give_tokens` brings them: they are accepted
+    after the step's other accepts, a refused one is named by its key, and a row whose
+    matcher a stop token ended allows every token. Until then the job cannot be waited
+    for, no other step may be sent, and other messages (a new grammar) still go through."""
+    from transformers import AutoTokenizer
+
+    from asyncllm.model.source import embedded_model_path
+    from asyncllm.structured.manager import StructuredOutputManager
+
+    path = str(embedded_model_path())
+    tok = AutoTokenizer.from_pretrained(path)
+    manager = StructuredOutputManager(path, vocab_size=len(tok), max_rows=4)
+    try:
+        a, b = (manager.request(S(regex=r"[0-9]+")) for _ in range(2))
+        d = manager.request(S(regex=r"[0-9]"))
+        a.future.result(), d.future.result()
+        assert a.ready() and b.ready() and d.ready()
+        (seven,), (x,) = tok.encode("7"), tok.encode("x")
+        stop = min(manager.stop_token_ids)
+        assert manager.accept([("d", d, seven)]) == []  # (d may only end now)
+        bitmask = manager.allocate_bitmask(3)
+        bitmask.fill_(0)
+        rows = [(0, a), (1, b), (2, d)]
+        job = manager.start_fill(bitmask, rows, [("a", a, seven)], ahead=[("b", b), ("d", d)])
+        assert job.ahead_keys == ["b", "d"]
+        with pytest.raises(RuntimeError, match="waiting for its tokens"):
+            job.wait()
+        with pytest.raises(RuntimeError, match="still waits for its tokens"):
+            manager.start_fill(bitmask, [(0, a)], [])
+        e = manager.request(S(regex=r"[a-z]+"))
+        e.future.result()
+        assert e.ready()  # (its grammar is sent to the process now, while the step waits)
+        with pytest.raises(ValueError, match="2 accepts"):
+            job.give_tokens([[x]])
+        job.give_tokens([[x], [stop]])
+        assert job.wait() == ["b"]
+
+        def allowed(row: int) -> list[int]:
+            return [(int(bitmask[row, t // 32]) >> (t % 32)) & 1 for t in (seven, x)]
+
+        assert allowed(0) == allowed(1) == [1, 0]
+        assert (bitmask[2] == -1).all()  # (d ended: its row allows every token)
+        bitmask.fill_(0)
+        job = manager.start_fill(bitmask, [(0, e)], [], ahead=[("e", e)])
+        job.give_tokens([[x]])
+        assert job.wait() == []
+        assert allowed(0) == [0, 1]
     finally:
         manager.shutdown()
 

@@ -11,11 +11,10 @@ stages are wall times of the engine's own functions (wrapped, not changed):
 - wait: waiting for a step's tokens and applying them to the persistent batch
   (`StepResult.apply`); with async scheduling the step waited for is the previous one
 - update: the scheduler taking the step's tokens (`update_from_output`)
-- fill: with `--structured`, the matchers accepting the tokens kept since the last fill
-  and filling a step's grammar bitmask once the tokens before it are known
-  (`Scheduler.fill_grammar_bitmask`; a bitmask filled at scheduling time counts in
-  "schedule"), and, where the fill runs on the structured manager's thread, waiting
-  for it (`FillJob.wait`)
+- fill: with `--structured`, sending a step's accepts and bitmask fill to the grammar
+  process (`Scheduler.plan_grammar_fill`, then the tokens ahead of it:
+  `give_grammar_tokens`; a bitmask filled at scheduling time counts in "schedule"),
+  and waiting for its answer (`FillJob.wait`)
 - mask: with `--structured`, the runner masking the logits with the bitmask
   (`_apply_grammar_bitmask`: the copy to the device and the masking kernels' launch)
 - encode: serializing the step's outputs for the wire (`Encoder.encode`), as the
@@ -200,7 +199,8 @@ def profile_batch(
     times: dict[str, float] = defaultdict(float)
     _wrap(core.scheduler, "schedule", "schedule", times)
     _wrap(core.scheduler, "update_from_output", "update", times)
-    _wrap(core.scheduler, "fill_grammar_bitmask", "fill", times)
+    _wrap(core.scheduler, "plan_grammar_fill", "fill", times)
+    _wrap(core.scheduler, "give_grammar_tokens", "fill", times)
     _wrap(runner, "_apply_grammar_bitmask", "mask", times)
     _wrap(runner, "_update_states", "prepare", times)
     _wrap(runner, "_prepare_inputs", "prepare", times)

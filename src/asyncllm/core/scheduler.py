@@ -49,7 +49,12 @@ from asyncllm.messages import EngineCoreOutput, ErrorKind, RequestError, Schedul
 from asyncllm.structured.grammar_process import GrammarProcessError
 
 if TYPE_CHECKING:
-    from asyncllm.structured.manager import Accepts, FillJob, StructuredOutputManager
+    from asyncllm.structured.manager import (
+        Accepts,
+        FillJob,
+        StructuredOutputManager,
+        StructuredRequest,
+    )
 from asyncllm.step_io import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -134,7 +139,7 @@ class Scheduler:
         # `_fill_masks`).
         self._accepts: Accepts = []
         # Steps whose tokens were queued for the matchers before their results were
-        # applied (`fill_grammar_bitmask(ahead=...)`): their update takes none.
+        # applied (`plan_grammar_fill(ahead=...)`): their update takes none.
         self._accepted_ahead: set[int] = set()
 
     # -- requests in and out -------------------------------------------------------
@@ -517,76 +522,90 @@ class Scheduler:
         return out
 
     def masks_due(self, sched: SchedulerOutput) -> bool:
-        """Whether `sched`'s grammar bitmask waits for `fill_grammar_bitmask`: one of its
+        """Whether `sched`'s grammar bitmask waits for `plan_grammar_fill`: one of its
         constrained requests samples after a token still in flight, which its matcher
         must accept first. The step's results (`update_from_output`) of every step in
         flight must be applied before it is filled, and it before `sched` runs."""
         return id(sched) in self._masks_due
 
-    def fill_grammar_bitmask(
-        self,
-        sched: SchedulerOutput,
-        wait: bool = True,
-        ahead: tuple[SchedulerOutput, ModelRunnerOutput] | None = None,
+    def plan_grammar_fill(
+        self, sched: SchedulerOutput, ahead: SchedulerOutput | None = None
     ) -> FillJob | None:
-        """Fills the bitmask `masks_due(sched)` left empty, from each request's matcher
-        as it is now. A request that ended or was preempted since keeps an all-allowing
-        row: the token it samples is dropped anyway. `wait=False`: the returned job (None:
-        nothing to fill) runs in the grammar process while the caller goes on, and must
-        be waited for (`finish_fill`) before `sched` samples. `ahead`: the step before
-        `sched` and its runner output, whose `update_from_output` comes next: the
-        matchers take its tokens now, so the fill runs while its results are applied
-        (a request its token ends, or one that ends otherwise, gets a row its dropped
-        token never uses)."""
+        """Starts the fill of the bitmask `masks_due(sched)` left empty (None: nothing
+        to fill). The matchers first accept the tokens kept since the last fill, then
+        those `ahead` (the step in flight before `sched`, not yet applied: its update
+        then queues none) samples, which `give_grammar_tokens` sends once they are
+        known: the grammar process waits for them, so this (and the message's Python)
+        runs before they are. A request that ended or was preempted gets an all-allowing
+        row (its token is dropped), as does one that a token of `ahead` ends. The job
+        runs in the grammar process while the caller goes on; `finish_fill` waits for
+        it, before `sched` samples."""
         structured = self._masks_due.pop(id(sched), None)
         if structured is None:
             return None
-        ending = self._accept_ahead(*ahead) if ahead is not None else set()
-        return self._fill_masks(sched, structured, wait, ending)
+        return self._fill_masks(sched, structured, wait=False, ahead=self._ahead_accepts(ahead))
 
-    def _accept_ahead(self, sched: SchedulerOutput, runner: ModelRunnerOutput) -> set[int]:
-        """Queues the matchers' accepts of the tokens `runner` sampled for `sched`,
-        before its `update_from_output` (which then queues none): the tokens the update
-        will keep. The ids of the requests whose token ends their grammar (its matcher
-        then fills no mask)."""
-        record = self._in_flight.get(id(sched))
+    def _ahead_accepts(
+        self, sched: SchedulerOutput | None
+    ) -> list[tuple[Request, StructuredRequest]]:
+        """The constrained requests of the step in flight `sched` whose tokens its
+        update will keep, as far as is known before it has run (`give_grammar_tokens`
+        drops those the runner failed or that ended since), with their constraints."""
+        record = self._in_flight.get(id(sched)) if sched is not None else None
         if record is None or self.structured is None:
-            return set()
+            return []
         self._accepted_ahead.add(id(sched))
-        ends = self.structured.stop_token_ids
-        ending = set()
-        for req, _, _, preemptions in record[1]:
-            structured = req.structured
-            if structured is None or not self._takes_result(req, preemptions, runner):
-                continue
-            for token in runner.sampled_token_ids.get(req.request_id, ()):
-                self._accepts.append((req, structured, token))
-                if token in ends:
-                    ending.add(id(req))
-                    break
-        return ending
+        running = RequestStatus.RUNNING
+        return [
+            (req, req.structured)
+            for req, _, _, preemptions in record[1]
+            if req.structured is not None
+            and req.status == running
+            and req.num_preemptions == preemptions
+        ]
+
+    def give_grammar_tokens(self, job: FillJob | None, runner: ModelRunnerOutput | None) -> None:
+        """Sends `job` (`plan_grammar_fill`'s) the tokens its step ahead sampled
+        (`runner`, its output; None: it had none), up to the first that ends a grammar;
+        the fill then runs."""
+        if job is None or job.ahead_keys is None:
+            return
+        running = RequestStatus.RUNNING
+        ends = self.structured.stop_token_ids if self.structured is not None else frozenset()
+        tokens: list[list[int]] = []
+        for req in job.ahead_keys:
+            rid = req.request_id
+            toks: list[int] = []
+            if runner is not None and req.status == running and rid not in runner.failed:
+                for token in runner.sampled_token_ids.get(rid, ()):
+                    toks.append(token)
+                    if token in ends:
+                        break
+            tokens.append(toks)
+        job.give_tokens(tokens)
 
     def _fill_masks(
         self,
         sched: SchedulerOutput,
         structured: list[Request],
         wait: bool = True,
-        ending: set[int] | frozenset[int] = frozenset(),
+        ahead: list[tuple[Request, StructuredRequest]] | None = None,
     ) -> FillJob | None:
-        """The matchers accept the tokens kept since the last fill, then the bitmask's
-        rows are filled, in the grammar process; waited for here (`wait`), or by
-        `finish_fill`. The requests not running, or in `ending`, get all-allowing rows."""
+        """The matchers accept the tokens kept since the last fill (then those of
+        `ahead`, to come: see `plan_grammar_fill`), then the bitmask's rows are filled,
+        in the grammar process; waited for here (`wait`), or by `finish_fill`. The
+        requests not running get all-allowing rows."""
         assert self.structured is not None  # (it made their constraints)
         accepts, self._accepts = self._accepts, []
         running = RequestStatus.RUNNING
         rows = []
         for row, req in enumerate(structured):
-            if req.status == running and id(req) not in ending:
+            if req.status == running:
                 rows.append((row, req.structured))
             else:
                 sched.grammar_bitmask.numpy()[row] = -1  # (allows all: its token is dropped)
         try:
-            job = self.structured.start_fill(sched.grammar_bitmask, rows, accepts)
+            job = self.structured.start_fill(sched.grammar_bitmask, rows, accepts, ahead)
         except GrammarProcessError as e:
             sched.grammar_bitmask.fill_(-1)  # (allows all: the tokens are dropped)
             self._grammar_process_lost(e)
@@ -597,7 +616,7 @@ class Scheduler:
         return job
 
     def finish_fill(self, job: FillJob) -> None:
-        """Waits for a fill `fill_grammar_bitmask(wait=False)` started, and ends the
+        """Waits for a fill `plan_grammar_fill` started, and ends the
         requests whose grammar refused one of the tokens it accepted (or, if the grammar
         process was lost, every request whose matcher it held)."""
         try:
@@ -689,7 +708,7 @@ class Scheduler:
     ) -> EngineCoreOutput | None:
         """Appends the request's sampled tokens up to the first that ends it (the rest
         are dropped); its output, or None if it has nothing to report. `accept`: its
-        matcher is to accept them (False: `_accept_ahead` queued them already)."""
+        matcher is to accept them (False: `plan_grammar_fill` sent them already)."""
         rid = req.request_id
         new_tokens: list[int] = []
         finished = False

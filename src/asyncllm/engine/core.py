@@ -175,25 +175,30 @@ class EngineCore:
         launched = applied = False
         # Launch steps until `_depth` are in flight (or nothing more can be scheduled),
         # then apply the oldest: each call ends with one step's results. A step whose
-        # grammar masks need the tokens in flight waits for the last step's tokens and
-        # starts its fill in the grammar process before anything else (its own launch,
-        # the last step's results), and is the last launched by this call. Where the
-        # launch splits, that fill also runs while this call returns and the next one
-        # schedules; the step samples once it is done (`_finish_fill`).
+        # grammar masks need the tokens in flight is the last launched by this call: its
+        # fill is sent to the grammar process as soon as it is scheduled, before the
+        # fill in flight is waited for, and runs there once the last step's tokens are
+        # in (they follow it); then the step launches and the last step is applied.
+        # Where the launch splits, the fill also runs while this call returns and the
+        # next one schedules; the step samples once it is done (`_finish_fill`).
         while self.scheduler.has_unfinished_requests() and len(self._in_flight) < self._depth:
             sched = self.scheduler.schedule()
             outputs.extend(self.scheduler.take_error_outputs())
+            masks_due = not sched.is_empty and self.scheduler.masks_due(sched)
+            job = None
+            if masks_due:
+                applied |= self._apply_all_but(1, outputs)
+                last = self._in_flight[-1][0] if self._in_flight else None
+                job = self.scheduler.plan_grammar_fill(sched, last)
             self._finish_fill()
             if sched.is_empty:
                 if sched.finished_req_ids:  # only ids for the runner to forget
                     self.executor.execute_model(sched)
                 break
-            masks_due = self.scheduler.masks_due(sched)
             split = masks_due and self.executor.splits_launch
-            job = ahead = None
+            ahead = None
             if masks_due:
-                job, ahead, applied_now = self._start_fill(sched, outputs)
-                applied |= applied_now
+                ahead = self._tokens_ahead(job)
                 if not split:  # (the step ahead is applied while the fill runs)
                     applied |= self._apply_ahead(ahead, outputs)
                     if job is not None:
@@ -239,28 +244,27 @@ class EngineCore:
             finally:
                 future.finish_launch()
 
-    def _start_fill(
-        self, sched: SchedulerOutput, outputs: list
-    ) -> tuple[FillJob | None, tuple[SchedulerOutput, ModelRunnerOutput] | None, bool]:
-        """Starts `sched`'s grammar fill, whose matchers need the tokens in flight: the
-        steps in flight but the last are applied, then the last one's tokens are waited
-        for and go to the matchers with the fill, in the grammar process. The fill's
-        job (None: nothing to fill), that last step with its runner output (None: none
-        was in flight; `_apply_ahead` applies it next), and whether a step was applied.
-        """
-        applied = self._apply_all_but(1, outputs)
-        ahead = None
-        if self._in_flight:
-            self._finish_fill()
-            before, before_future = self._in_flight.popleft()
+    def _tokens_ahead(
+        self, job: FillJob | None
+    ) -> tuple[SchedulerOutput, ModelRunnerOutput] | None:
+        """Takes the step in flight (at most one is left) out of flight, waits for its
+        tokens and gives them to `job`, whose fill then runs; that step with its runner
+        output (None: none was in flight), which `_apply_ahead` applies next."""
+        if not self._in_flight:
+            return None
+        before, before_future = self._in_flight.popleft()
+        try:
             ahead = (before, before_future.result())
-        job = self.scheduler.fill_grammar_bitmask(sched, wait=False, ahead=ahead)
-        return job, ahead, applied
+        except BaseException:
+            self.scheduler.give_grammar_tokens(job, None)  # (it accepts none, and ends)
+            raise
+        self.scheduler.give_grammar_tokens(job, ahead[1])
+        return ahead
 
     def _apply_ahead(
         self, ahead: tuple[SchedulerOutput, ModelRunnerOutput] | None, outputs: list
     ) -> bool:
-        """Applies the step `_start_fill` took out of flight; whether there was one."""
+        """Applies the step `_tokens_ahead` took out of flight; whether there was one."""
         if ahead is None:
             return False
         outputs.extend(self.scheduler.update_from_output(*ahead))

@@ -17,6 +17,7 @@ import os
 import tempfile
 import threading
 import weakref
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any
 
@@ -67,22 +68,45 @@ Rows = list[tuple[int, StructuredRequest]]
 class FillJob:
     """A step's accepts and bitmask fill in the grammar process; `wait()` returns once
     they are done, with the keys of the tokens the grammars refused, or raises
-    GrammarProcessError (the process is lost; the bitmask then allows every token)."""
+    GrammarProcessError (the process is lost; the bitmask then allows every token).
+    A job started with `ahead` accepts (tokens still to come) runs once `give_tokens`
+    has sent them."""
 
-    __slots__ = ("_manager", "_keys", "_bitmask", "_refused", "_error", "_done")
+    __slots__ = ("_manager", "_keys", "_bitmask", "_refused", "_error", "_done", "ahead_keys")
 
     def __init__(
         self,
         manager: StructuredOutputManager | None,
         keys: list[Any],
         bitmask: torch.Tensor | None = None,
+        ahead_keys: list[Any] | None = None,
     ) -> None:
         self._manager, self._keys, self._bitmask = manager, keys, bitmask
         self._refused: list[Any] = []
         self._error: BaseException | None = None
         self._done = manager is None
+        # The keys of the accepts whose tokens are still to come (None: none are).
+        self.ahead_keys = ahead_keys
+
+    def give_tokens(self, tokens: list[list[int]]) -> None:
+        """The tokens of the `ahead` accepts, in their order (an empty list: that
+        matcher takes none); the grammar process then runs the step."""
+        if self._done:  # (failed: the grammar process was lost meanwhile)
+            return
+        keys = self.ahead_keys
+        if keys is None:
+            raise RuntimeError("this fill job does not wait for tokens")
+        if len(tokens) != len(keys):
+            raise ValueError(f"{len(tokens)} token lists for {len(keys)} accepts")
+        self.ahead_keys = None
+        assert self._manager is not None
+        for key, toks in zip(keys, tokens):
+            self._keys.extend([key] * len(toks))
+        self._manager._send_tokens(self, tokens)
 
     def wait(self) -> list[Any]:
+        if self.ahead_keys is not None:
+            raise RuntimeError("a fill job waiting for its tokens cannot be waited for")
         if not self._done:
             assert self._manager is not None
             self._manager._answer(self)
@@ -153,7 +177,7 @@ class StructuredOutputManager:
         self._next_matcher = 0
         self._new_matchers: list[list[int]] = []  # [matcher id, grammar id], to send
         self._freed: list[int] = []  # matchers let go, to send
-        self._pending: FillJob | None = None  # the step sent whose answer is unread
+        self._pending: deque[FillJob] = deque()  # the steps sent whose answers are unread
 
     def _get_compiler(self) -> Any:
         with self._lock:  # (built once, by the first compilation)
@@ -244,9 +268,8 @@ class StructuredOutputManager:
     def _answer(self, job: FillJob) -> None:
         """Reads the answers up to `job`'s (the steps are answered in order)."""
         while not job._done:
-            pending = self._pending
-            assert pending is not None and self._process is not None
-            self._pending = None
+            pending = self._pending.popleft()
+            assert self._process is not None and pending.ahead_keys is None
             pending._done = True
             try:
                 refused = self._process.answer()
@@ -256,18 +279,33 @@ class StructuredOutputManager:
                 if pending._bitmask is not None:  # (its rows may be half written)
                     pending._bitmask.fill_(-1)
 
+    def _send_tokens(self, job: FillJob, tokens: list[list[int]]) -> None:
+        assert self._process is not None
+        try:
+            self._process.send(["tokens", tokens])
+        except GrammarProcessError as e:  # (its answer, read in turn, is the error)
+            logger.warning("%s", e)
+
     # -- a step's accepts and fill ---------------------------------------------------
 
-    def start_fill(self, bitmask: torch.Tensor | None, rows: Rows, accepts: Accepts) -> FillJob:
+    def start_fill(
+        self,
+        bitmask: torch.Tensor | None,
+        rows: Rows,
+        accepts: Accepts,
+        ahead: list[tuple[Any, StructuredRequest]] | None = None,
+    ) -> FillJob:
         """Sends a step to the grammar process: the matchers accept `accepts` (in order),
-        then fill their rows of `bitmask` (one of `allocate_bitmask`'s) for `rows`
-        ((row, request) pairs), while the caller goes on. The caller must leave the
-        bitmask and these requests alone until `wait()`, which gives the refused keys.
-        GrammarProcessError if the process is lost."""
-        if not rows and not accepts:
+        then the tokens of `ahead` ((key, request) pairs; the job's `give_tokens` sends
+        them: the step waits for them there), then fill their rows of `bitmask` (one of
+        `allocate_bitmask`'s) for `rows` ((row, request) pairs; a row whose matcher a
+        token ended allows every token), while the caller goes on. The caller must leave
+        the bitmask and these requests alone until `wait()`, which gives the refused
+        keys. GrammarProcessError if the process is lost."""
+        if not rows and not accepts and not ahead:
             return FillJob(None, [])
-        if self._pending is not None:
-            self._answer(self._pending)  # (its answer stays with it for its waiter)
+        if any(job.ahead_keys is not None for job in self._pending):
+            raise RuntimeError("a step was sent while an earlier one still waits for its tokens")
         process = self._get_process()
         if self._new_matchers or self._freed:
             new, self._new_matchers = self._new_matchers, []
@@ -279,8 +317,15 @@ class StructuredOutputManager:
             k = [b.data_ptr() for b in self._shared.buffers].index(bitmask.data_ptr())
         msg = ["step", [[r.matcher_id, t] for _, r, t in accepts], k]
         msg.append([[i, r.matcher_id] for i, r in rows])
+        msg.append([r.matcher_id for _, r in ahead] if ahead else [])
         process.send(msg)
-        job = self._pending = FillJob(self, [key for key, _, _ in accepts], bitmask)
+        job = FillJob(
+            self,
+            [key for key, _, _ in accepts],
+            bitmask,
+            [key for key, _ in ahead] if ahead else None,
+        )
+        self._pending.append(job)
         return job
 
     def reset(self) -> None:
@@ -290,10 +335,11 @@ class StructuredOutputManager:
             process, self._process = self._process, None
             if process is not None:
                 process.close(kill=True)
-        if self._pending is not None:
-            self._pending._done = True
-            self._pending._error = GrammarProcessError("the grammar process was stopped")
-            self._pending = None
+        for job in self._pending:
+            job._done = True
+            job._error = GrammarProcessError("the grammar process was stopped")
+            job.ahead_keys = None
+        self._pending.clear()
         self._grammar_ids.clear()
         self._new_matchers, self._freed = [], []
 
@@ -328,8 +374,11 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._pending is not None:
-            self._answer(self._pending)
+        for job in list(self._pending):
+            if job.ahead_keys is not None:  # (no tokens will come: it accepts none)
+                job.give_tokens([[] for _ in job.ahead_keys])
+        if self._pending:
+            self._answer(self._pending[-1])
         with self._start_lock:  # (a start under way ends first)
             self._closed = True
             if self._process is not None:
