@@ -367,7 +367,8 @@ def test_the_next_fill_starts_before_a_steps_results_are_applied():
     fill starts, in the grammar process) before the scheduler applies that step, and
     before the step whose masks they are is launched: each constrained token is accepted
     once, and before its update. The fill is sent as soon as its step is scheduled,
-    before the fill in flight is waited for (its tokens follow). Requests that end by
+    before the fill in flight is waited for, and its tokens follow once the step's
+    forward is queued. Requests that end by
     their grammar (a choice, a regex) and by max_tokens keep their constraints."""
     from asyncllm.structured.manager import FillJob
 
@@ -377,7 +378,8 @@ def test_the_next_fill_starts_before_a_steps_results_are_applied():
     start_fill, update = core.structured.start_fill, core.scheduler.update_from_output
     plan, launch = core.scheduler.plan_grammar_fill, core.executor.execute_model_async
     give_tokens, wait = FillJob.give_tokens, FillJob.wait
-    # ("plan" | "launch", id of the step) and ("wait", id of the step whose fill it is)
+    # ("plan" | "launch", id of the step) and ("tokens" | "wait", id of the step whose
+    # fill gets the tokens ahead of it | is waited for)
     order: list[tuple[str, int]] = []
     steps = []  # (kept alive: their ids stay theirs)
     step_of: dict[int, int] = {}  # id(job) -> id(its step)
@@ -402,6 +404,7 @@ def test_the_next_fill_starts_before_a_steps_results_are_applied():
 
     def logged_give_tokens(job, tokens):
         events.append(("accept", [t for toks in tokens for t in toks]))
+        order.append(("tokens", step_of.get(id(job), 0)))
         return give_tokens(job, tokens)
 
     def logged_wait(job):
@@ -454,6 +457,9 @@ def test_the_next_fill_starts_before_a_steps_results_are_applied():
     # and before the fill of the split step before it was waited for
     for before, step in zip(launched, launched[1:]):
         assert order.index(("plan", step)) < order.index(("wait", before)), order
+    # its forward was queued before the tokens ahead of it were waited for
+    for step in launched[1:]:
+        assert order.index(("launch", step)) < order.index(("tokens", step)), order
 
 
 def test_properties_are_generated_in_the_schema_order(llm):

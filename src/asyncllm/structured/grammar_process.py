@@ -6,10 +6,15 @@ call, and its Python slowed the step's).
 The core (`GrammarProcess`, used by StructuredOutputManager) compiles grammars itself and
 sends each compiled grammar once, serialized; it tells the process which matcher each
 request gets, and each step one message: the tokens the matchers accept, then the rows
-to fill. The process fills rows of the two bitmask buffers it shares with the core (a
-memory-mapped file the core opened, passed as a descriptor, as is the tokenizer's
-information) and answers the step with the positions of the tokens the grammars refused.
-A step's accepts and fill are split over THREADS threads of the process (`StepThreads`).
+to fill. A step may name matchers whose tokens are not known yet (those of the step
+still on the device): the core sends it as soon as the step is scheduled, and the
+tokens follow in a "tokens" message once they are in; the process resolves the step's
+matchers meanwhile and runs it then (other messages may come between the two). The
+process fills rows of the two bitmask buffers it shares with the core (a memory-mapped
+file the core opened, passed as a descriptor, as is the tokenizer's information; a row
+whose matcher a stop token ended allows every token) and answers the step with the
+positions of the tokens the grammars refused. A step's accepts and fill are split over
+THREADS threads of the process (`StepThreads`).
 
 Frames on the pipes: a 4-byte big-endian length, then msgpack. The child's stdin carries
 the core's messages; its real stdout (stdout itself is pointed at stderr) carries one
