@@ -367,8 +367,8 @@ def test_the_next_fill_starts_before_a_steps_results_are_applied():
     fill starts, in the grammar process) before the scheduler applies that step, and
     before the step whose masks they are is launched: each constrained token is accepted
     once, and before its update. The fill is sent as soon as its step is scheduled,
-    before the fill in flight is waited for, and its tokens follow once the step's
-    forward is queued. Requests that end by
+    before the fill in flight is waited for, and its tokens follow before the step's
+    launch. Requests that end by
     their grammar (a choice, a regex) and by max_tokens keep their constraints."""
     from asyncllm.structured.manager import FillJob
 
@@ -457,9 +457,10 @@ def test_the_next_fill_starts_before_a_steps_results_are_applied():
     # and before the fill of the split step before it was waited for
     for before, step in zip(launched, launched[1:]):
         assert order.index(("plan", step)) < order.index(("wait", before)), order
-    # its forward was queued before the tokens ahead of it were waited for
+    # and the tokens ahead of it went to its fill before its launch (whose host work,
+    # the input preparation, would otherwise delay the fill)
     for step in launched[1:]:
-        assert order.index(("launch", step)) < order.index(("tokens", step)), order
+        assert order.index(("tokens", step)) < order.index(("launch", step)), order
 
 
 def test_properties_are_generated_in_the_schema_order(llm):

@@ -178,11 +178,9 @@ class EngineCore:
         # grammar masks need the tokens in flight is the last launched by this call: its
         # fill is sent to the grammar process as soon as it is scheduled, before the
         # fill in flight is waited for, and runs there once the last step's tokens are
-        # in (they follow it). Where the launch splits, the step's forward is queued
-        # first (behind the last step's sampling), then the last step's tokens go to
-        # the fill and that step is applied; the fill runs beside the forward, while
-        # this call returns and the next one schedules, and the step samples once it
-        # is done (`_finish_fill`). Otherwise the step launches once its fill is done.
+        # in (they follow it); then the step launches and the last step is applied.
+        # Where the launch splits, the fill also runs while this call returns and the
+        # next one schedules; the step samples once it is done (`_finish_fill`).
         while self.scheduler.has_unfinished_requests() and len(self._in_flight) < self._depth:
             sched = self.scheduler.schedule()
             outputs.extend(self.scheduler.take_error_outputs())
@@ -198,19 +196,18 @@ class EngineCore:
                     self.executor.execute_model(sched)
                 break
             split = masks_due and self.executor.splits_launch
-            if masks_due and not split:  # (the step ahead is applied while the fill runs)
-                applied |= self._apply_ahead(self._tokens_ahead(job), outputs)
-                if job is not None:
-                    self.scheduler.finish_fill(job)
+            ahead = None
+            if masks_due:
+                ahead = self._tokens_ahead(job)
+                if not split:  # (the step ahead is applied while the fill runs)
+                    applied |= self._apply_ahead(ahead, outputs)
+                    if job is not None:
+                        self.scheduler.finish_fill(job)
             sched.grammar_bitmask_later = split
             future = self.executor.execute_model_async(sched)
             self._in_flight.append((sched, future))
             launched = True
-            if split:
-                # Its forward is queued behind the step ahead's sampling; the fill runs
-                # once that step's tokens are in, beside the forward and while the step
-                # ahead is applied.
-                ahead = self._tokens_ahead(job)
+            if split:  # its forward and fill run while the step before is applied
                 self._filling = (future, job)
                 applied |= self._apply_ahead(ahead, outputs)
             if masks_due:
