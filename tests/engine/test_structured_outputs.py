@@ -659,6 +659,156 @@ def test_a_lost_grammar_process_ends_only_the_requests_it_held(sync_engine):
     assert core.kv_cache_manager.num_free_blocks == core.num_blocks
 
 
+@pytest.fixture(scope="module")
+def inproc_engine():
+    """An engine with async scheduling, its core in this process."""
+    with LLM(device="cpu", max_model_len=256, multiprocess=False) as llm:
+        yield llm
+
+
+def _digits(n: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, structured_outputs=S(regex=f"[0-9]{{{n}}}")
+    )
+
+
+def _run_until_done(core, outs: dict, steps: int = 200) -> None:
+    for _ in range(steps):
+        if not core.has_unfinished_requests() and not core.has_pending_outputs():
+            return
+        for o in core.step().outputs:
+            outs.setdefault(o.request_id, []).append(o)
+    raise AssertionError(f"requests still unfinished after {steps} steps: {outs.keys()}")
+
+
+def test_a_lone_request_whose_grammar_process_dies_still_gets_its_error(inproc_engine):
+    """With async scheduling, the grammar process dies while the only request decodes:
+    the error that ends it comes from a fill's answer, after the step's schedule, and
+    still reaches it (the engine has nothing left to schedule), its blocks freed."""
+    core = inproc_engine.engine.client.core
+    update, kills = core.scheduler.update_from_output, []
+
+    def update_then_kill(sched, runner):
+        out = update(sched, runner)
+        if len(kills) < 1 and any(o.request_id == "lone" for o in out):
+            if sum(len(o.new_token_ids) for o in out) and core.structured._process:
+                process = core.structured._process
+                process.proc.kill()
+                process.proc.wait()
+                kills.append(process)
+        return out
+
+    core.scheduler.update_from_output = update_then_kill
+    outs: dict = {}
+    try:
+        inproc_engine.engine.add_request("lone", "Give digits", _digits(30, 40))
+        _run_until_done(core, outs)
+    finally:
+        core.scheduler.update_from_output = update
+    assert kills
+    last = outs["lone"][-1]
+    assert last.error is not None and "grammar process has ended" in last.error.message, last
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks
+
+
+def test_a_process_lost_while_a_fill_waits_for_its_tokens_is_reset_once(inproc_engine):
+    """The grammar process stops answering with one step's fill sent and the next one's
+    sent ahead of its tokens, then dies: both fills fail and the request ends, but the
+    process is reset once; a request that comes next gets a new process that the second
+    fill's (stale) failure leaves alone, and completes its grammar."""
+    import os
+    import signal
+
+    from asyncllm.structured.manager import FillJob
+
+    core = inproc_engine.engine.client.core
+    manager, scheduler = core.structured, core.scheduler
+    give, finish, reset = FillJob.give_tokens, scheduler.finish_fill, manager.reset
+    state: dict = {"gives": 0, "stopped": None, "killed": False, "resets": 0}
+
+    def give_then_stop(job, tokens):
+        state["gives"] += 1
+        if state["gives"] == 3 and state["stopped"] is None:  # (it answers nothing more)
+            state["stopped"] = manager._process
+            os.kill(state["stopped"].proc.pid, signal.SIGSTOP)
+        give(job, tokens)
+
+    def kill_then_finish(job):
+        p = state["stopped"]
+        waiting = manager._pending and manager._pending[-1].ahead_keys is not None
+        if p is not None and not state["killed"] and waiting:
+            os.kill(p.proc.pid, signal.SIGKILL)
+            os.kill(p.proc.pid, signal.SIGCONT)
+            p.proc.wait()
+            state["killed"] = True
+        return finish(job)
+
+    def counted_reset():
+        state["resets"] += 1
+        reset()
+
+    FillJob.give_tokens = give_then_stop
+    scheduler.finish_fill = kill_then_finish
+    manager.reset = counted_reset
+    outs: dict = {}
+    try:
+        inproc_engine.engine.add_request("first", "Give digits", _digits(30, 40))
+        for _ in range(100):
+            if state["killed"]:
+                break
+            for o in core.step().outputs:
+                outs.setdefault(o.request_id, []).append(o)
+        assert state["killed"]
+        inproc_engine.engine.add_request("next", "Give digits", _digits(8, 16))
+        _run_until_done(core, outs)
+    finally:
+        FillJob.give_tokens, scheduler.finish_fill = give, finish
+        del manager.reset
+    assert outs["first"][-1].error is not None, outs["first"][-1]
+    assert outs["next"][-1].error is None, outs["next"][-1]
+    assert outs["next"][-1].finish_reason == "stop"
+    assert re.fullmatch(r"[0-9]{8}", _decoded(inproc_engine, outs["next"]))
+    assert state["resets"] == 1
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks
+
+
+def _decoded(llm: LLM, outs: list) -> str:
+    ids = [t for o in outs for t in o.new_token_ids]
+    return llm.get_tokenizer().decode(ids, skip_special_tokens=True)
+
+
+def test_an_interrupt_while_a_fill_waits_for_its_tokens_leaves_the_grammar_process_free():
+    """A KeyboardInterrupt (or any error) in a step between a fill's message and its
+    tokens: the grammar process is given no tokens for it (rather than waiting for them
+    for good), so the next fill goes through."""
+    with LLM(device="cpu", max_model_len=256, multiprocess=False) as llm:
+        core = llm.engine.client.core
+        manager, scheduler = core.structured, core.scheduler
+        finish, calls = scheduler.finish_fill, []
+
+        def interrupted(job):
+            if manager._pending and manager._pending[-1].ahead_keys is not None:
+                calls.append(job)
+                if len(calls) == 3:
+                    raise KeyboardInterrupt
+            return finish(job)
+
+        scheduler.finish_fill = interrupted
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate(["Give digits"], _digits(15, 20), use_tqdm=False)
+        finally:
+            scheduler.finish_fill = finish
+        assert len(calls) == 3
+        assert manager._pending and not any(j.ahead_keys is not None for j in manager._pending)
+        req = manager.request(S(regex=r"[0-9]+"))
+        req.future.result()
+        assert req.ready()
+        bitmask = manager.allocate_bitmask(1)
+        manager.fill_bitmask(bitmask, [(0, req)])  # (answered: the process serves)
+        assert (bitmask != 0).any() and not (bitmask == -1).all()
+
+
 def test_a_step_split_over_threads_fills_and_refuses_as_one_call():
     """The grammar process's StepThreads: a step's accepts and fill split over threads
     (every k-th row, with its matcher's accepts) leave the same bitmask and name the same

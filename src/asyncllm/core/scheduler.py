@@ -622,7 +622,8 @@ class Scheduler:
         try:
             refused = job.wait()
         except GrammarProcessError as e:  # (the step's bitmask now allows every token)
-            self._grammar_process_lost(e)
+            if not job.stale:  # (a stale job's process was lost, and dealt with, before)
+                self._grammar_process_lost(e)
             return
         self._refuse(refused)
 

@@ -186,19 +186,24 @@ class EngineCore:
             outputs.extend(self.scheduler.take_error_outputs())
             masks_due = not sched.is_empty and self.scheduler.masks_due(sched)
             job = None
-            if masks_due:
-                applied |= self._apply_all_but(1, outputs)
-                last = self._in_flight[-1][0] if self._in_flight else None
-                job = self.scheduler.plan_grammar_fill(sched, last)
-            self._finish_fill()
+            try:
+                if masks_due:
+                    applied |= self._apply_all_but(1, outputs)
+                    last = self._in_flight[-1][0] if self._in_flight else None
+                    job = self.scheduler.plan_grammar_fill(sched, last)
+                self._finish_fill()
+                ahead = self._tokens_ahead(job) if masks_due else None
+            except BaseException:
+                # (the grammar process waits for the job's tokens: it gets none, and the
+                # next step can be sent)
+                self.scheduler.give_grammar_tokens(job, None)
+                raise
             if sched.is_empty:
                 if sched.finished_req_ids:  # only ids for the runner to forget
                     self.executor.execute_model(sched)
                 break
             split = masks_due and self.executor.splits_launch
-            ahead = None
             if masks_due:
-                ahead = self._tokens_ahead(job)
                 if not split:  # (the step ahead is applied while the fill runs)
                     applied |= self._apply_ahead(ahead, outputs)
                     if job is not None:
@@ -214,7 +219,11 @@ class EngineCore:
                 break
         if self._in_flight and not applied:
             outputs.extend(self._apply_oldest())
-        elif (
+            applied = True
+        # (requests a fill's answer ended after `schedule()`: a refused token, a lost
+        # grammar process; the next schedule may never come)
+        outputs.extend(self.scheduler.take_error_outputs())
+        if (
             not launched
             and not applied
             and not outputs
@@ -230,6 +239,7 @@ class EngineCore:
         `step()`."""
         while self._in_flight:
             self._pending_outputs.extend(self._apply_oldest())
+        self._pending_outputs.extend(self.scheduler.take_error_outputs())
 
     def _finish_fill(self) -> None:
         """Waits for the grammar fill of the step launched last, if one is running, and
@@ -253,11 +263,7 @@ class EngineCore:
         if not self._in_flight:
             return None
         before, before_future = self._in_flight.popleft()
-        try:
-            ahead = (before, before_future.result())
-        except BaseException:
-            self.scheduler.give_grammar_tokens(job, None)  # (it accepts none, and ends)
-            raise
+        ahead = (before, before_future.result())
         self.scheduler.give_grammar_tokens(job, ahead[1])
         return ahead
 

@@ -72,7 +72,16 @@ class FillJob:
     A job started with `ahead` accepts (tokens still to come) runs once `give_tokens`
     has sent them."""
 
-    __slots__ = ("_manager", "_keys", "_bitmask", "_refused", "_error", "_done", "ahead_keys")
+    __slots__ = (
+        "_manager",
+        "_keys",
+        "_bitmask",
+        "_refused",
+        "_error",
+        "_done",
+        "ahead_keys",
+        "stale",
+    )
 
     def __init__(
         self,
@@ -87,6 +96,9 @@ class FillJob:
         self._done = manager is None
         # The keys of the accepts whose tokens are still to come (None: none are).
         self.ahead_keys = ahead_keys
+        # Failed by `reset` (its process was already lost and its requests ended): its
+        # error is not news of the process the manager has now.
+        self.stale = False
 
     def give_tokens(self, tokens: list[list[int]]) -> None:
         """The tokens of the `ahead` accepts, in their order (an empty list: that
@@ -336,9 +348,10 @@ class StructuredOutputManager:
             if process is not None:
                 process.close(kill=True)
         for job in self._pending:
-            job._done = True
+            job._done, job.stale, job.ahead_keys = True, True, None
             job._error = GrammarProcessError("the grammar process was stopped")
-            job.ahead_keys = None
+            if job._bitmask is not None:  # (never filled: its rows allow every token)
+                job._bitmask.fill_(-1)
         self._pending.clear()
         self._grammar_ids.clear()
         self._new_matchers, self._freed = [], []
