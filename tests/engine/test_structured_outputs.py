@@ -77,6 +77,28 @@ def sync_engine():
         yield llm
 
 
+@pytest.fixture(scope="module")
+def inproc_engine():
+    """An engine with async scheduling, its core in this process."""
+    with LLM(device="cpu", max_model_len=256, multiprocess=False) as llm:
+        yield llm
+
+
+def _digits(n: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, structured_outputs=S(regex=f"[0-9]{{{n}}}")
+    )
+
+
+def _run_until_done(core, outs: dict, steps: int = 200) -> None:
+    for _ in range(steps):
+        if not core.has_unfinished_requests() and not core.has_pending_outputs():
+            return
+        for o in core.step().outputs:
+            outs.setdefault(o.request_id, []).append(o)
+    raise AssertionError(f"requests still unfinished after {steps} steps: {outs.keys()}")
+
+
 @pytest.fixture(scope="module", params=[True, False], ids=["async", "sync"])
 def engine(request):
     """The suite's shared engine (async scheduling, its default), or one without."""
@@ -362,7 +384,7 @@ def test_a_constrained_request_decodes_every_step(llm):
     assert engine.get_stats()["num_steps"] - before <= n + 1
 
 
-def test_the_next_fill_starts_before_a_steps_results_are_applied():
+def test_the_next_fill_starts_before_a_steps_results_are_applied(inproc_engine):
     """With async scheduling, the matchers get a step's tokens (and the next mask's
     fill starts, in the grammar process) before the scheduler applies that step, and
     before the step whose masks they are is launched: each constrained token is accepted
@@ -372,7 +394,7 @@ def test_the_next_fill_starts_before_a_steps_results_are_applied():
     their grammar (a choice, a regex) and by max_tokens keep their constraints."""
     from asyncllm.structured.manager import FillJob
 
-    llm = LLM(device="cpu", multiprocess=False, max_model_len=256)
+    llm = inproc_engine
     core = llm.engine.client.core
     events: list[tuple[str, list[int]]] = []
     start_fill, update = core.structured.start_fill, core.scheduler.update_from_output
@@ -437,7 +459,8 @@ def test_the_next_fill_starts_before_a_steps_results_are_applied():
         _idle(llm)
     finally:
         FillJob.give_tokens, FillJob.wait = give_tokens, wait
-        llm.shutdown()
+        del core.structured.start_fill, core.scheduler.update_from_output
+        del core.scheduler.plan_grammar_fill, core.executor.execute_model_async
     accepted, updated, ahead = 0, 0, []
     for kind, tokens in events:
         if kind == "accept":
@@ -630,13 +653,6 @@ def test_a_lost_grammar_process_ends_only_the_requests_it_held(sync_engine):
         )
         return EngineCoreRequest(rid, [1, 2, 3, 4], params, 2, max_tokens, time.monotonic())
 
-    def run(outs):
-        for _ in range(400):  # (until every request has ended)
-            if not core.has_unfinished_requests():
-                return
-            for o in core.step().outputs:
-                outs.setdefault(o.request_id, []).append(o)
-
     outs: dict[str, list] = {}
     core.add_request(request("free", None, 40))
     core.add_request(request("held", S(json=array), 40))
@@ -647,38 +663,16 @@ def test_a_lost_grammar_process_ends_only_the_requests_it_held(sync_engine):
     assert process is not None
     process.proc.kill()
     process.proc.wait()
-    run(outs)
+    _run_until_done(core, outs, steps=400)
     held = outs["held"][-1]
     assert held.error is not None and "grammar process has ended" in held.error.message
     assert outs["free"][-1].finish_reason == "length" and outs["free"][-1].error is None
     assert sum(len(o.new_token_ids) for o in outs["free"]) == 40
     core.add_request(request("after", S(choice=CHOICES), 16))
-    run(outs)
+    _run_until_done(core, outs, steps=400)
     assert outs["after"][-1].finish_reason == "stop" and outs["after"][-1].error is None
     assert core.structured._process is not None and core.structured._process is not process
     assert core.kv_cache_manager.num_free_blocks == core.num_blocks
-
-
-@pytest.fixture(scope="module")
-def inproc_engine():
-    """An engine with async scheduling, its core in this process."""
-    with LLM(device="cpu", max_model_len=256, multiprocess=False) as llm:
-        yield llm
-
-
-def _digits(n: int, max_tokens: int) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, structured_outputs=S(regex=f"[0-9]{{{n}}}")
-    )
-
-
-def _run_until_done(core, outs: dict, steps: int = 200) -> None:
-    for _ in range(steps):
-        if not core.has_unfinished_requests() and not core.has_pending_outputs():
-            return
-        for o in core.step().outputs:
-            outs.setdefault(o.request_id, []).append(o)
-    raise AssertionError(f"requests still unfinished after {steps} steps: {outs.keys()}")
 
 
 def test_a_lone_request_whose_grammar_process_dies_still_gets_its_error(inproc_engine):

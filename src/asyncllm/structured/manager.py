@@ -116,6 +116,13 @@ class FillJob:
             self._keys.extend([key] * len(toks))
         self._manager._send_tokens(self, tokens)
 
+    def _fail(self, error: BaseException, stale: bool = False) -> None:
+        """Ends the job with `error`; its bitmask's rows (perhaps half written, or never)
+        then allow every token."""
+        self._done, self._error, self.stale, self.ahead_keys = True, error, stale, None
+        if self._bitmask is not None:
+            self._bitmask.fill_(-1)
+
     def wait(self) -> list[Any]:
         if self.ahead_keys is not None:
             raise RuntimeError("a fill job waiting for its tokens cannot be waited for")
@@ -287,9 +294,7 @@ class StructuredOutputManager:
                 refused = self._process.answer()
                 pending._refused = [pending._keys[i] for i in refused]
             except GrammarProcessError as e:
-                pending._error = e
-                if pending._bitmask is not None:  # (its rows may be half written)
-                    pending._bitmask.fill_(-1)
+                pending._fail(e)
 
     def _send_tokens(self, job: FillJob, tokens: list[list[int]]) -> None:
         assert self._process is not None
@@ -348,10 +353,7 @@ class StructuredOutputManager:
             if process is not None:
                 process.close(kill=True)
         for job in self._pending:
-            job._done, job.stale, job.ahead_keys = True, True, None
-            job._error = GrammarProcessError("the grammar process was stopped")
-            if job._bitmask is not None:  # (never filled: its rows allow every token)
-                job._bitmask.fill_(-1)
+            job._fail(GrammarProcessError("the grammar process was stopped"), stale=True)
         self._pending.clear()
         self._grammar_ids.clear()
         self._new_matchers, self._freed = [], []
