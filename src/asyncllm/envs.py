@@ -96,6 +96,16 @@ def available_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
+def grammar_device_steps() -> bool:
+    """Whether a constrained step's grammar handshake runs on the device where it can
+    ($ASYNCLLM_GRAMMAR_DEVICE_STEPS, default 1; 0: the host relays the tokens and
+    queues the sampling once the bitmask is filled, as on the CPU)."""
+    value = os.environ.get("ASYNCLLM_GRAMMAR_DEVICE_STEPS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"ASYNCLLM_GRAMMAR_DEVICE_STEPS must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def grammar_threads() -> int:
     """The grammar process's threads for a step's accepts and fill
     ($ASYNCLLM_GRAMMAR_THREADS; default half the usable CPUs, 1 to 4: on the H200 host

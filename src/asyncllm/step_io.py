@@ -35,6 +35,21 @@ class CachedRequestData:
 
 
 @dataclass
+class GrammarSync:
+    """A device step's handshake with the grammar process (structured/grammar_process.py),
+    in memory the two share: after the step before has sampled, the device writes the
+    tokens it sampled for `ahead_req_ids` (in order, -1 for a request it does not hold)
+    to `tokens` (int64), then sets `flags[TOKENS_FLAG]` to `seq`; the grammar process
+    fills the step's bitmask, then sets `flags[MASK_FLAG]` to `seq`, which the device
+    waits for before it copies the bitmask and samples."""
+
+    seq: int
+    ahead_req_ids: list[str]
+    tokens: Any
+    flags: Any
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
@@ -55,6 +70,9 @@ class SchedulerOutput:
     # a sync: a CUDA event recorded after the copy, which the scheduler waits for before
     # it writes that buffer again.
     grammar_bitmask_copied: Any = None
+    # A device step (async scheduling on CUDA): the device hands the grammar process the
+    # tokens ahead and waits for the bitmask itself; the runner queues it all at launch.
+    grammar_sync: GrammarSync | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -420,9 +420,9 @@ def test_the_next_fill_starts_before_a_steps_results_are_applied(inproc_engine):
             order.append(("launch", id(sched)))
         return launch(sched)
 
-    def logged_start_fill(bitmask, rows, accepts, ahead=None):
+    def logged_start_fill(bitmask, rows, accepts, *args):
         events.append(("accept", [t for _, _, t in accepts]))
-        return start_fill(bitmask, rows, accepts, ahead)
+        return start_fill(bitmask, rows, accepts, *args)
 
     def logged_give_tokens(job, tokens):
         events.append(("accept", [t for toks in tokens for t in toks]))

@@ -147,8 +147,8 @@ def test_padded_decode_steps_compute_what_unpadded_ones_do(tiny_folder):
     sizes: list[int | None] = []
     prepare = runner._prepare_inputs
 
-    def spy(scheduled):
-        inputs = prepare(scheduled)
+    def spy(scheduled, *args):
+        inputs = prepare(scheduled, *args)
         sizes.append(inputs.graph_size)
         return inputs
 

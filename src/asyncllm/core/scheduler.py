@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     )
 from asyncllm.step_io import (
     CachedRequestData,
+    GrammarSync,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -529,7 +530,7 @@ class Scheduler:
         return id(sched) in self._masks_due
 
     def plan_grammar_fill(
-        self, sched: SchedulerOutput, ahead: SchedulerOutput | None = None
+        self, sched: SchedulerOutput, ahead: SchedulerOutput | None = None, device: bool = False
     ) -> FillJob | None:
         """Starts the fill of the bitmask `masks_due(sched)` left empty (None: nothing
         to fill). The matchers first accept the tokens kept since the last fill, then
@@ -539,11 +540,15 @@ class Scheduler:
         runs before they are. A request that ended or was preempted gets an all-allowing
         row (its token is dropped), as does one that a token of `ahead` ends. The job
         runs in the grammar process while the caller goes on; `finish_fill` waits for
-        it, before `sched` samples."""
+        it, before `sched` samples. A `device` fill (the structured manager's
+        `device_steps`) gets the tokens of `ahead` from the device, and the device
+        waits for its bitmask: `sched.grammar_sync` tells the runner how."""
         structured = self._masks_due.pop(id(sched), None)
         if structured is None:
             return None
-        return self._fill_masks(sched, structured, wait=False, ahead=self._ahead_accepts(ahead))
+        return self._fill_masks(
+            sched, structured, wait=False, ahead=self._ahead_accepts(ahead), device=device
+        )
 
     def _ahead_accepts(
         self, sched: SchedulerOutput | None
@@ -558,8 +563,9 @@ class Scheduler:
         running = RequestStatus.RUNNING
         return [
             (req, req.structured)
-            for req, _, _, preemptions in record[1]
-            if req.structured is not None
+            for req, _, samples, preemptions in record[1]
+            if samples
+            and req.structured is not None
             and req.status == running
             and req.num_preemptions == preemptions
         ]
@@ -568,6 +574,8 @@ class Scheduler:
         """Sends `job` (`plan_grammar_fill`'s) the tokens its step ahead sampled
         (`runner`, its output; None: it had none), up to the first that ends a grammar;
         the fill then runs."""
+        if job is not None and runner is None:
+            job.release_tokens()  # (a device job: its step did not launch)
         if job is None or job.ahead_keys is None:
             return
         running = RequestStatus.RUNNING
@@ -590,6 +598,7 @@ class Scheduler:
         structured: list[Request],
         wait: bool = True,
         ahead: list[tuple[Request, StructuredRequest]] | None = None,
+        device: bool = False,
     ) -> FillJob | None:
         """The matchers accept the tokens kept since the last fill (then those of
         `ahead`, to come: see `plan_grammar_fill`), then the bitmask's rows are filled,
@@ -605,11 +614,15 @@ class Scheduler:
             else:
                 sched.grammar_bitmask.numpy()[row] = -1  # (allows all: its token is dropped)
         try:
-            job = self.structured.start_fill(sched.grammar_bitmask, rows, accepts, ahead)
+            job = self.structured.start_fill(sched.grammar_bitmask, rows, accepts, ahead, device)
         except GrammarProcessError as e:
             sched.grammar_bitmask.fill_(-1)  # (allows all: the tokens are dropped)
             self._grammar_process_lost(e)
             return None
+        if job.seq:
+            tokens, flags = self.structured.device_buffers()
+            ahead_ids = [req.request_id for req, _ in ahead or ()]
+            sched.grammar_sync = GrammarSync(job.seq, ahead_ids, tokens, flags)
         if wait:
             self.finish_fill(job)
             return None

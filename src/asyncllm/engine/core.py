@@ -21,6 +21,7 @@ from asyncllm.core.kv_cache_utils import BlockHasher
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import Scheduler
 from asyncllm.engine.cpu_threads import set_cpu_threads
+from asyncllm.envs import grammar_device_steps
 from asyncllm.executor.base import Executor, StepFuture
 from asyncllm.executor.selector import get_executor_class
 from asyncllm.messages import (
@@ -67,6 +68,7 @@ class EngineCore:
         self._in_flight: deque[tuple[SchedulerOutput, StepFuture]] = deque()
         # The step launched last while its grammar fill runs (see `_finish_fill`).
         self._filling: tuple[StepFuture, FillJob | None] | None = None
+        self._device_steps: bool | None = None  # (known at the first fill that needs it)
 
     def _check_request(self, req: EngineCoreRequest) -> int:
         """What the frontend guarantees, checked again: a request may come straight
@@ -176,28 +178,44 @@ class EngineCore:
         # Launch steps until `_depth` are in flight (or nothing more can be scheduled),
         # then apply the oldest: each call ends with one step's results. A step whose
         # grammar masks need the tokens in flight is the last launched by this call: its
-        # fill is sent to the grammar process as soon as it is scheduled, before the
-        # fill in flight is waited for, and runs there once the last step's tokens are
-        # in (they follow it); then the step launches and the last step is applied.
-        # Where the launch splits, the fill also runs while this call returns and the
-        # next one schedules; the step samples once it is done (`_finish_fill`).
+        # fill is sent to the grammar process as soon as it is scheduled, and runs there
+        # once the last step's tokens are in.
+        # - A device step (CUDA, `_uses_device_steps`) launches at once: the device
+        #   hands the grammar process those tokens and waits for the masks itself. Then
+        #   the answer of the device step before is read and the last step applied.
+        # - Otherwise the fill in flight is waited for first, then the last step's tokens
+        #   follow the fill (from the host); the step launches and the last step is
+        #   applied. Where the launch splits, the fill also runs while this call returns
+        #   and the next one schedules; the step samples once it is done (`_finish_fill`).
         while self.scheduler.has_unfinished_requests() and len(self._in_flight) < self._depth:
             sched = self.scheduler.schedule()
             outputs.extend(self.scheduler.take_error_outputs())
             masks_due = not sched.is_empty and self.scheduler.masks_due(sched)
-            job = None
+            device = masks_due and self._uses_device_steps()
+            job = ahead = None
             try:
                 if masks_due:
                     applied |= self._apply_all_but(1, outputs)
                     last = self._in_flight[-1][0] if self._in_flight else None
-                    job = self.scheduler.plan_grammar_fill(sched, last)
-                self._finish_fill()
-                ahead = self._tokens_ahead(job) if masks_due else None
+                    job = self.scheduler.plan_grammar_fill(sched, last, device)
+                if device:
+                    future = self.executor.execute_model_async(sched)
+                else:
+                    self._finish_fill()
+                    ahead = self._tokens_ahead(job) if masks_due else None
             except BaseException:
                 # (the grammar process waits for the job's tokens: it gets none, and the
                 # next step can be sent)
                 self.scheduler.give_grammar_tokens(job, None)
                 raise
+            if device:
+                self._in_flight.append((sched, future))
+                launched = True
+                self._finish_fill()
+                self._filling = (future, job)
+                if len(self._in_flight) > 1:
+                    applied |= self._apply_ahead(self._tokens_ahead(None), outputs)
+                break
             if sched.is_empty:
                 if sched.finished_req_ids:  # only ids for the runner to forget
                     self.executor.execute_model(sched)
@@ -240,6 +258,18 @@ class EngineCore:
         while self._in_flight:
             self._pending_outputs.extend(self._apply_oldest())
         self._pending_outputs.extend(self.scheduler.take_error_outputs())
+
+    def _uses_device_steps(self) -> bool:
+        """Whether constrained steps are device steps (see `step`): the runner is in this
+        process, on CUDA, and the device can wait for the grammar's flags."""
+        if self._device_steps is None:
+            self._device_steps = (
+                self.executor.splits_launch
+                and self.config.model.device.type == "cuda"
+                and grammar_device_steps()
+                and self.structured.device_steps
+            )
+        return self._device_steps
 
     def _finish_fill(self) -> None:
         """Waits for the grammar fill of the step launched last, if one is running, and

@@ -80,9 +80,25 @@ def _recv(fd: int) -> Any:
     return msgspec.msgpack.decode(_read_exact(fd, size))
 
 
-def buffer_bytes(rows: int, words: int) -> int:
-    """The shared file's size: two bitmask buffers of `rows` x `words` int32."""
-    return 2 * rows * words * 4
+# The shared file: two bitmask buffers of `rows` x `words` int32, then `rows` int64 (the
+# tokens of a device step, written by the device), then FLAG_WORDS uint32 (the flags of
+# a device step, each on its own 64-byte line).
+FLAG_WORDS = 32
+TOKENS_FLAG = 0  # the device's: the step's tokens are in (the step's number)
+MASK_FLAG = 16  # the process's: the step's bitmask is filled (the step's number)
+
+
+def shared_layout(rows: int, words: int) -> tuple[int, int, int]:
+    """(offset of the tokens, offset of the flags, size) of the shared file."""
+    tokens = 2 * rows * words * 4
+    flags = tokens + rows * 8
+    return tokens, flags, flags + FLAG_WORDS * 4
+
+
+def flag_reached(value: int, seq: int) -> bool:
+    """Whether a flag holding `value` has reached step number `seq` (both uint32; the
+    numbers wrap)."""
+    return (value - seq) & 0xFFFFFFFF < 0x80000000
 
 
 # -- the child -----------------------------------------------------------------------
@@ -226,8 +242,11 @@ def main(argv: list[str]) -> None:
     with os.fdopen(info_fd, "rb") as f:
         f.seek(0)  # (the core's file: it wrote it, this descriptor shares its offset)
         info = xgr.TokenizerInfo.deserialize_json(f.read().decode())
-    shared = mmap.mmap(fd, buffer_bytes(rows, words))
-    buffers = np.frombuffer(shared, dtype=np.int32).reshape(2, rows, words)
+    tokens_at, flags_at, size = shared_layout(rows, words)
+    shared = mmap.mmap(fd, size)
+    buffers = np.frombuffer(shared, dtype=np.int32, count=2 * rows * words).reshape(2, rows, words)
+    device_tokens = np.frombuffer(shared, dtype=np.int64, count=rows, offset=tokens_at)
+    flags = np.frombuffer(shared, dtype=np.uint32, count=FLAG_WORDS, offset=flags_at)
     step = StepThreads(threads, xgr, frozenset(info.stop_token_ids))
     grammars: dict[int, Any] = {}
     matchers: dict[int, Any] = {}
@@ -251,7 +270,11 @@ def main(argv: list[str]) -> None:
                 matchers.pop(mid, None)
         elif kind == "step":
             # [_, [[matcher id, token], ...], buffer, [[row, matcher id], ...], [matcher
-            # id, ...]]: the last, the accepts whose tokens a "tokens" message brings
+            # id, ...], seq]: the fifth, the accepts whose tokens come later: with seq 0,
+            # in a "tokens" message; else (a device step) the device writes them to the
+            # shared tokens, one per matcher (-1: none), then sets TOKENS_FLAG to seq,
+            # and once the bitmask is filled this process sets MASK_FLAG to seq
+            seq = msg[5] if len(msg) > 5 else 0
             try:
                 plan: tuple[Any, ...] | Exception = (
                     [(matchers[m], t) for m, t in msg[1]],
@@ -261,7 +284,11 @@ def main(argv: list[str]) -> None:
                 )
             except Exception as e:  # noqa: BLE001 (the step's error, told to the core)
                 plan = e
-            if msg[4]:
+            if seq:
+                if not isinstance(plan, tuple):  # (its rows allow every token)
+                    buffers[msg[2]] = -1
+                _run_device_step(replies, step, plan, seq, device_tokens, flags)
+            elif msg[4]:
                 waiting = plan
             else:
                 _run_step(replies, step, plan, [])
@@ -289,6 +316,64 @@ def _run_step(
         _send(replies, ["ok", step.run(accepts, fills, bitmask)])
     except Exception as e:  # noqa: BLE001 (the step's error, told to the core)
         _send(replies, ["error", f"{type(e).__name__}: {e}"])
+
+
+def _run_device_step(
+    replies: int,
+    step: StepThreads,
+    plan: tuple[Any, ...] | Exception,
+    seq: int,
+    device_tokens: np.ndarray,
+    flags: np.ndarray,
+) -> None:
+    """Waits for the device's tokens of a device step (`seq`), runs the step, sets the
+    mask flag (the device goes on), and answers the step, the refused positions counting
+    one accept per ahead matcher (those the device gave no token, -1, take none). A
+    failed step's rows allow every token."""
+    refused: list[int] | None = None
+    error = ""
+    try:
+        if isinstance(plan, Exception):
+            raise plan
+        accepts, fills, bitmask, ahead = plan
+        try:
+            if ahead:
+                _wait_flag(flags, TOKENS_FLAG, seq)
+            tokens = device_tokens[: len(ahead)].tolist()
+            given = [i for i, t in enumerate(tokens) if t >= 0]
+            positions = list(range(len(accepts))) + [len(accepts) + i for i in given]
+            pairs = accepts + [(ahead[i], tokens[i]) for i in given]
+            refused = [positions[i] for i in step.run(pairs, fills, bitmask)]
+        except Exception:
+            for row, _ in fills:
+                bitmask[row] = -1
+            raise
+    except Exception as e:  # noqa: BLE001 (the step's error, told to the core)
+        error = f"{type(e).__name__}: {e}"
+    flags[MASK_FLAG] = seq
+    _send(replies, ["ok", refused] if refused is not None else ["error", error])
+
+
+# A device step's wait for its tokens: it spins this long, then sleeps between looks
+# (a core that died, or a step that never launched, must not keep a core busy).
+SPIN_S = 0.005
+_NAP_S = 0.0002
+
+
+def _wait_flag(flags: np.ndarray, index: int, seq: int) -> None:
+    """Waits until `flags[index]` reaches `seq`; TimeoutError after STEP_TIMEOUT_S, or
+    at once if the core's process is gone (this process then belongs to another)."""
+    if flag_reached(int(flags[index]), seq):
+        return
+    parent = os.getppid()
+    start = time.monotonic()
+    spin_until = start + SPIN_S
+    while not flag_reached(int(flags[index]), seq):
+        now = time.monotonic()
+        if now > spin_until:
+            time.sleep(_NAP_S)
+            if now - start > STEP_TIMEOUT_S or os.getppid() != parent:
+                raise TimeoutError(f"the device did not give step {seq}'s tokens")
 
 
 # -- the core's side -----------------------------------------------------------------

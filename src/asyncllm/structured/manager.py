@@ -27,10 +27,13 @@ from asyncllm.envs import grammar_threads
 from asyncllm.sampling_params import StructuredOutputsParams
 from asyncllm.structured.grammar import GrammarKey, build_grammar, grammar_key, xgrammar_module
 from asyncllm.structured.grammar_process import (
+    MASK_FLAG,
     START_TIMEOUT_S,
+    TOKENS_FLAG,
     GrammarProcess,
     GrammarProcessError,
-    buffer_bytes,
+    flag_reached,
+    shared_layout,
 )
 
 logger = logging.getLogger(__name__)
@@ -70,7 +73,8 @@ class FillJob:
     they are done, with the keys of the tokens the grammars refused, or raises
     GrammarProcessError (the process is lost; the bitmask then allows every token).
     A job started with `ahead` accepts (tokens still to come) runs once `give_tokens`
-    has sent them."""
+    has sent them; a device job (`seq` set) gets them from the device, and the device
+    waits for its bitmask (see `start_fill`)."""
 
     __slots__ = (
         "_manager",
@@ -81,6 +85,7 @@ class FillJob:
         "_done",
         "ahead_keys",
         "stale",
+        "seq",
     )
 
     def __init__(
@@ -89,8 +94,10 @@ class FillJob:
         keys: list[Any],
         bitmask: torch.Tensor | None = None,
         ahead_keys: list[Any] | None = None,
+        seq: int = 0,
     ) -> None:
         self._manager, self._keys, self._bitmask = manager, keys, bitmask
+        self.seq = seq  # (a device job's number; 0: a host job)
         self._refused: list[Any] = []
         self._error: BaseException | None = None
         self._done = manager is None
@@ -116,12 +123,23 @@ class FillJob:
             self._keys.extend([key] * len(toks))
         self._manager._send_tokens(self, tokens)
 
+    def release_tokens(self) -> None:
+        """A device job whose tokens the device will not give (its step did not launch):
+        it takes none (the grammar process waits for them, and every later step behind
+        it)."""
+        if self.seq and not self._done:
+            assert self._manager is not None
+            self._manager._release_tokens(self.seq)
+
     def _fail(self, error: BaseException, stale: bool = False) -> None:
         """Ends the job with `error`; its bitmask's rows (perhaps half written, or never)
-        then allow every token."""
+        then allow every token, and a device waiting for them goes on."""
         self._done, self._error, self.stale, self.ahead_keys = True, error, stale, None
         if self._bitmask is not None:
             self._bitmask.fill_(-1)
+        if self.seq:
+            assert self._manager is not None
+            self._manager._release_mask(self.seq)
 
     def wait(self) -> list[Any]:
         if self.ahead_keys is not None:
@@ -135,29 +153,46 @@ class FillJob:
 
 
 class _Shared:
-    """The two bitmask buffers, in a memory-mapped file the grammar process maps too
-    (registered with CUDA as pinned memory where the runner copies from it)."""
+    """The two bitmask buffers, a device step's tokens and its flags, in a memory-mapped
+    file the grammar process maps too (registered with CUDA as pinned, mapped memory
+    where the runner copies from it; `device_steps`: the device can wait for the flags
+    and write them, see worker/stream_ops.py)."""
 
     def __init__(self, rows: int, words: int, pin: bool) -> None:
         where = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.file: IO[bytes] = tempfile.TemporaryFile(dir=where)  # (no name: nothing leaks)
-        size = buffer_bytes(rows, words)
+        tokens_at, flags_at, size = shared_layout(rows, words)
         self.file.truncate(size)
         self.map = mmap.mmap(self.file.fileno(), size)
-        both = torch.frombuffer(self.map, dtype=torch.int32).view(2, rows, words)
+        whole = torch.frombuffer(self.map, dtype=torch.uint8)
+        both = whole[:tokens_at].view(torch.int32).view(2, rows, words)
         self.buffers = [both[0], both[1]]
-        self.pinned = False
+        self.tokens = whole[tokens_at:flags_at].view(torch.int64)
+        self.flags = whole[flags_at:].view(torch.int32)
+        self.flags_np = self.flags.numpy().view("uint32")
+        self.flags_np[:] = 1  # (the step numbers start at 2)
+        self.pinned = self.device_steps = False
         if pin:
-            ok = torch.cuda.cudart().cudaHostRegister(both.data_ptr(), size, 0)
-            self.pinned = int(ok) == 0
+            from asyncllm.worker import stream_ops
+
+            rc = torch.cuda.cudart().cudaHostRegister(
+                whole.data_ptr(), size, stream_ops.REGISTER_MAPPED
+            )
+            self.pinned = int(rc) == 0
             if not self.pinned:
-                logger.warning("the bitmask buffers could not be pinned (error %s)", ok)
+                logger.warning("the bitmask buffers could not be pinned (error %s)", rc)
+            else:
+                self.device_steps = stream_ops.usable(self.flags[TOKENS_FLAG : TOKENS_FLAG + 1])
+                if not self.device_steps:
+                    logger.warning("the device cannot wait for the grammar's flags")
 
     def close(self) -> None:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.buffers[0].data_ptr())
             self.pinned = False
         self.buffers = []
+        self.tokens = self.flags = torch.empty(0)
+        self.flags_np = self.flags_np[:0]
         try:
             self.map.close()
         except BufferError:  # (a view of a buffer is still held: the map goes with it)
@@ -197,6 +232,7 @@ class StructuredOutputManager:
         self._new_matchers: list[list[int]] = []  # [matcher id, grammar id], to send
         self._freed: list[int] = []  # matchers let go, to send
         self._pending: deque[FillJob] = deque()  # the steps sent whose answers are unread
+        self._seq = 1  # the last device step's number (the flags start at 1)
 
     def _get_compiler(self) -> Any:
         with self._lock:  # (built once, by the first compilation)
@@ -296,6 +332,35 @@ class StructuredOutputManager:
             except GrammarProcessError as e:
                 pending._fail(e)
 
+    @property
+    def device_steps(self) -> bool:
+        """Whether fills can be device steps (`start_fill(device=True)`): the shared
+        memory is pinned and the device can wait for its flags and write them."""
+        return self._get_shared().device_steps
+
+    def device_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A device job's shared tokens (int64, one per ahead matcher, in its order:
+        the device writes them, -1 for none) and flags (int32: the device sets
+        flags[TOKENS_FLAG] to the job's `seq` once the tokens are in, and waits for
+        flags[MASK_FLAG] to reach it before it reads the bitmask)."""
+        shared = self._get_shared()
+        return shared.tokens, shared.flags
+
+    def _release_tokens(self, seq: int) -> None:
+        shared = self._shared
+        if shared is not None:
+            flags = shared.flags_np
+            if not flag_reached(int(flags[TOKENS_FLAG]), seq):
+                shared.tokens.fill_(-1)
+                flags[TOKENS_FLAG] = seq
+
+    def _release_mask(self, seq: int) -> None:
+        shared = self._shared
+        if shared is not None:
+            flags = shared.flags_np
+            if not flag_reached(int(flags[MASK_FLAG]), seq):
+                flags[MASK_FLAG] = seq
+
     def _send_tokens(self, job: FillJob, tokens: list[list[int]]) -> None:
         assert self._process is not None
         try:
@@ -311,6 +376,7 @@ class StructuredOutputManager:
         rows: Rows,
         accepts: Accepts,
         ahead: list[tuple[Any, StructuredRequest]] | None = None,
+        device: bool = False,
     ) -> FillJob:
         """Sends a step to the grammar process: the matchers accept `accepts` (in order),
         then the tokens of `ahead` ((key, request) pairs; the job's `give_tokens` sends
@@ -318,8 +384,13 @@ class StructuredOutputManager:
         `allocate_bitmask`'s) for `rows` ((row, request) pairs; a row whose matcher a
         token ended allows every token), while the caller goes on. The caller must leave
         the bitmask and these requests alone until `wait()`, which gives the refused
-        keys. GrammarProcessError if the process is lost."""
-        if not rows and not accepts and not ahead:
+        keys. GrammarProcessError if the process is lost.
+
+        A `device` step (where `device_steps`) gets the tokens of `ahead` from the
+        device instead, one each, through `device_buffers`, and the job's
+        number (`seq`) is what the device waits for before it reads the bitmask; if the
+        job fails, the flag is set for it (the bitmask then allows every token)."""
+        if not rows and not accepts and not ahead and not device:
             return FillJob(None, [])
         if any(job.ahead_keys is not None for job in self._pending):
             raise RuntimeError("a step was sent while an earlier one still waits for its tokens")
@@ -335,13 +406,14 @@ class StructuredOutputManager:
         msg = ["step", [[r.matcher_id, t] for _, r, t in accepts], k]
         msg.append([[i, r.matcher_id] for i, r in rows])
         msg.append([r.matcher_id for _, r in ahead] if ahead else [])
+        keys = [key for key, _, _ in accepts]
+        if device:
+            self._seq = seq = self._seq % 0xFFFFFFFF + 1
+            msg.append(seq)
+            job = FillJob(self, keys + [key for key, _ in ahead or ()], bitmask, seq=seq)
+        else:
+            job = FillJob(self, keys, bitmask, [key for key, _ in ahead] if ahead else None)
         process.send(msg)
-        job = FillJob(
-            self,
-            [key for key, _, _ in accepts],
-            bitmask,
-            [key for key, _ in ahead] if ahead else None,
-        )
         self._pending.append(job)
         return job
 
@@ -392,6 +464,7 @@ class StructuredOutputManager:
         for job in list(self._pending):
             if job.ahead_keys is not None:  # (no tokens will come: it accepts none)
                 job.give_tokens([[] for _ in job.ahead_keys])
+            job.release_tokens()
         if self._pending:
             self._answer(self._pending[-1])
         with self._start_lock:  # (a start under way ends first)

@@ -28,7 +28,9 @@ class _Slot:
     def __init__(self, rows: int, words: int, device: torch.device) -> None:
         self.masks = torch.empty(rows, words, dtype=torch.int32).pin_memory()
         self.rows = torch.empty(rows, dtype=torch.int64).pin_memory()
+        self.mask_rows = torch.empty(rows, dtype=torch.int64).pin_memory()
         self.masks_np, self.rows_np = self.masks.numpy(), self.rows.numpy()
+        self.mask_rows_np = self.mask_rows.numpy()
         self.copied = torch.cuda.Event()  # (never recorded: synchronize() returns at once)
 
 
@@ -46,6 +48,7 @@ class MaskStaging:
         self._next = 0
         self._words = 0
         self._dev_masks = self._dev_rows = self._arange = torch.empty(0)
+        self._dev_all = self._dev_mask_rows = torch.empty(0)
         # (bitmask address, rows, logits address, logits row stride) -> its graph
         self._graphs: dict[tuple[int, int, int, int], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
@@ -56,24 +59,37 @@ class MaskStaging:
         self._slots = [_Slot(rows, words, self.device) for _ in range(self.SLOTS)]
         self._dev_masks = torch.empty(rows, words, dtype=torch.int32, device=self.device)
         self._dev_rows = torch.empty(rows, dtype=torch.int64, device=self.device)
+        self._dev_all = torch.empty(rows, words, dtype=torch.int32, device=self.device)
+        self._dev_mask_rows = torch.empty(rows, dtype=torch.int64, device=self.device)
         self._arange = torch.arange(rows, dtype=torch.int64, device=self.device)
 
     def to_device(
-        self, masks: torch.Tensor, mask_rows: list[int] | None, logit_rows: list[int]
+        self,
+        masks: torch.Tensor,
+        mask_rows: list[int] | None,
+        logit_rows: list[int],
+        later: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(logits rows, their masks) on the device: row `logit_rows[i]` of the logits
         takes `masks[mask_rows[i]]` (`mask_rows` None: `masks[i]`); and whether `masks`
         itself is read by a copy still to run (then it must not be written before an
-        event recorded after this on the current stream has passed)."""
+        event recorded after this on the current stream has passed). `later`: `masks`
+        (pinned) is filled after this call, before the device reaches the copy queued
+        here (a device step's); nothing here reads it on the host, and `mask_rows` are
+        gathered on the device from a copy of all of it."""
         n, words = len(logit_rows), masks.shape[1]
-        if words != self._words or n > self.capacity:
-            self._make(max(self.capacity, n), words)
+        gather = later and mask_rows is not None
+        m = masks.shape[0] if gather else n
+        if words != self._words or max(n, m) > self.capacity:
+            self._make(max(self.capacity, n, m), words)
         dev_masks = self._dev_masks[:n]
-        direct = mask_rows is None and masks.is_pinned()
+        direct = (mask_rows is None or later) and masks.is_pinned()
+        if later and not direct:
+            raise ValueError("a bitmask filled after its step's launch must be pinned")
         if direct:
-            dev_masks.copy_(masks[:n], non_blocking=True)
+            (self._dev_all[:m] if gather else dev_masks).copy_(masks[:m], non_blocking=True)
         in_order = logit_rows == list(range(n))
-        if not direct or not in_order:
+        if not direct or not in_order or gather:
             slot = self._slots[self._next]
             self._next = (self._next + 1) % self.SLOTS
             slot.copied.synchronize()  # (the step that used it last has long been copied)
@@ -84,6 +100,11 @@ class MaskStaging:
                 else:
                     np.take(src, mask_rows, axis=0, out=slot.masks_np[:n])
                 dev_masks.copy_(slot.masks[:n], non_blocking=True)
+            if gather:
+                slot.mask_rows_np[:n] = mask_rows
+                index = self._dev_mask_rows[:n]
+                index.copy_(slot.mask_rows[:n], non_blocking=True)
+                torch.index_select(self._dev_all[:m], 0, index, out=dev_masks)
             if not in_order:
                 slot.rows_np[:n] = logit_rows
                 self._dev_rows[:n].copy_(slot.rows[:n], non_blocking=True)

@@ -48,8 +48,15 @@ from asyncllm.sample import ops
 from asyncllm.sample.logits_processor import LogitsProcessor, load_logits_processor_class
 from asyncllm.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.step_io import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
+from asyncllm.step_io import (
+    GrammarSync,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from asyncllm.worker.cuda_graph import DecodeGraphs
+from asyncllm.worker.grammar_handshake import GrammarHandshake
 from asyncllm.worker.input_batch import CachedRequestState, InputBatch
 from asyncllm.worker.mask_staging import MaskStaging
 from asyncllm.worker.sampling_state import SamplingState
@@ -131,10 +138,15 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
         self.graph_logits: torch.Tensor | None = None  # [largest size, vocab] float32
-        # Each persistent row's last sampled token, on the device (async scheduling).
-        self.last_sampled = torch.zeros(sched.max_num_seqs, dtype=torch.int64, device=self.device)
+        # Each persistent row's last sampled token, on the device (async scheduling); the
+        # row past the last holds -1 (a device step's token for a request not held).
+        self.last_sampled = torch.zeros(
+            sched.max_num_seqs + 1, dtype=torch.int64, device=self.device
+        )
+        self.last_sampled[-1] = -1
         self._in_flight: deque[StepResult] = deque()  # launched, results not applied
         self._mask_staging: MaskStaging | None = None  # (CUDA, at the first grammar mask)
+        self._handshake: GrammarHandshake | None = None  # (CUDA, at the first device step)
 
     def load_model(self) -> None:
         self.model = load_model(self.config.model, self.backend)
@@ -353,9 +365,16 @@ class ModelRunner:
             # (requests the runner could not take, now or in an earlier step: the
             # scheduler ends them; its own dict stays as it was)
             scheduled = {rid: n for rid, n in scheduled.items() if rid in batch.requests}
+        sync = so.grammar_sync
+        if sync is not None and self._handshake is None:
+            self._handshake = GrammarHandshake()
         if not scheduled:
+            if sync is not None:  # (no token is known to be ahead of it: none are given)
+                sync.tokens[: len(sync.ahead_req_ids)] = -1
+                assert self._handshake is not None
+                self._handshake.give_tokens(sync, None)
             return StepResult(self, [], failed, {}, None)
-        inputs = self._prepare_inputs(scheduled)
+        inputs = self._prepare_inputs(scheduled, sync)
         # Picked before sampling appends tokens: whether a request still owes prompt
         # logprobs depends on the tokens it had when the step began.
         prompt_rows = self._prompt_logprob_rows(inputs)
@@ -384,6 +403,9 @@ class ModelRunner:
         logprobs and the copies to the host."""
         result.finish = None
         done = torch.cuda.Event() if self.device.type == "cuda" else None
+        if so.grammar_sync is not None:
+            assert self._handshake is not None
+            self._handshake.wait_for_masks(so.grammar_sync)
         if so.grammar_bitmask is not None and self._apply_grammar_bitmask(so, inputs, logits):
             # A copy still to run reads the scheduler's bitmask: it writes that buffer
             # again once this step's event has passed, recorded even if the rest fails.
@@ -513,10 +535,14 @@ class ModelRunner:
         if not 0 <= new.num_computed_tokens <= len(tokens):
             raise ValueError(f"num_computed_tokens {new.num_computed_tokens} is out of range")
 
-    def _prepare_inputs(self, scheduled: dict[str, int]) -> StepInputs:
+    def _prepare_inputs(
+        self, scheduled: dict[str, int], sync: GrammarSync | None = None
+    ) -> StepInputs:
         """Fills the step buffers (`scheduled`: request id -> tokens, in batch order)
         with vectorised gathers from the persistent arrays, pads a decode step to its
-        captured size, and queues the copies to the device."""
+        captured size, and queues the copies to the device; for a device step (`sync`),
+        then the tokens ahead to the grammar process (the last ones sampled for its
+        requests)."""
         batch, buf = self.input_batch, self.buffers
         states = [batch.requests[r] for r in scheduled]
         S = len(states)
@@ -548,6 +574,13 @@ class ModelRunner:
         samples = np.nonzero(seq_lens >= batch.num_tokens[rows] + batch.num_pending[rows])[0]
         buf.sample_rows.np[: len(samples)] = rows[samples]
         buf.logit_rows.np[: len(samples)] = qsl[1:][samples] - 1
+        if sync is not None:
+            none = len(self.last_sampled) - 1  # (its row holds -1)
+            k = len(sync.ahead_req_ids)
+            buf.grammar_rows.np[:k] = [
+                state.row if state is not None else none
+                for state in map(batch.requests.get, sync.ahead_req_ids)
+            ]
         graph_size = None
         if T == S and len(samples) == S and self.capture_sizes:
             graph_size = padded_size(S, self.capture_sizes)
@@ -557,6 +590,11 @@ class ModelRunner:
         else:
             buf.copy_to_device(S)
         buf.step_queued()
+        if sync is not None:
+            k = len(sync.ahead_req_ids)
+            ahead = self.last_sampled.index_select(0, buf.grammar_rows.device[:k]) if k else None
+            assert self._handshake is not None
+            self._handshake.give_tokens(sync, ahead)
         if len(pending):
             k = len(pending)
             sampled = self.last_sampled.index_select(0, buf.pending_rows.device[:k])
@@ -682,7 +720,7 @@ class ModelRunner:
         read_later = False
         if staging is not None:
             rows, masks, read_later = staging.to_device(
-                masks, None if in_order else mask_rows, logit_rows
+                masks, None if in_order else mask_rows, logit_rows, so.grammar_sync is not None
             )
         else:
             rows = torch.tensor(logit_rows, dtype=torch.int64)

@@ -87,6 +87,7 @@ class StepBuffers:
             ("sample_rows", max_num_seqs, torch.int64),
             ("pending_at", max_num_seqs, torch.int64),
             ("pending_rows", max_num_seqs, torch.int64),
+            ("grammar_rows", max_num_seqs, torch.int64),
         ]
         offsets, nbytes = [], 0
         for _, n, dtype in layout:
@@ -112,6 +113,8 @@ class StepBuffers:
         self.sample_rows = views["sample_rows"]
         self.pending_at = views["pending_at"]  # token index in the step
         self.pending_rows = views["pending_rows"]  # the persistent row it comes from
+        # a device step's: the rows whose last tokens go to the grammar process
+        self.grammar_rows = views["grammar_rows"]
         self.block_table = HostDeviceBuffer((max_num_seqs, max_blocks), torch.int32, device)
         self._copies_done = torch.cuda.Event() if on_cuda else None
 

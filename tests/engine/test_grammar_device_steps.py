@@ -1,0 +1,168 @@
+"""Device steps (structured outputs with async scheduling on CUDA): the device hands the
+grammar process a step's tokens through shared memory and waits for the next bitmask's
+flag itself. Here on the CPU: the grammar process's side, with the test writing what
+the device writes, and the engine's whole path with a runner whose handshake does on
+the host what the device does (the CUDA stream operations are tested on the GPU)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import numpy as np
+import pytest
+
+from asyncllm import LLM, SamplingParams, StructuredOutputsParams
+from asyncllm.structured.grammar_process import MASK_FLAG, TOKENS_FLAG, flag_reached
+from tests.engine.test_structured_outputs import (
+    CHOICES,
+    GRAMMAR,
+    PROMPT,
+    REGEXES,
+    SCHEMAS,
+    _check_json,
+    _idle,
+    _json_params,
+)
+
+pytest.importorskip("xgrammar")
+S = StructuredOutputsParams
+
+
+def _flags(manager) -> np.ndarray:
+    return manager.device_buffers()[1].numpy().view(np.uint32)
+
+
+def test_a_device_step_gets_its_tokens_and_sets_its_flag_through_shared_memory():
+    """The step waits in the grammar process until the tokens flag reaches its number,
+    accepts the shared tokens after its other accepts (-1: that matcher takes none),
+    names a refused token by its key, fills the bitmask (a row a stop token ended allows
+    every token), then sets the mask flag. A job whose step never launched lets the
+    process go on (`release_tokens`); a job that fails sets the mask flag itself, its
+    rows allowing every token (a device waiting for them goes on)."""
+    from transformers import AutoTokenizer
+
+    from asyncllm.model.source import embedded_model_path
+    from asyncllm.structured.grammar_process import GrammarProcessError
+    from asyncllm.structured.manager import StructuredOutputManager
+
+    path = str(embedded_model_path())
+    tok = AutoTokenizer.from_pretrained(path)
+    manager = StructuredOutputManager(path, vocab_size=len(tok), max_rows=4)
+    try:
+        a, b = (manager.request(S(regex=r"[0-9]+")) for _ in range(2))
+        d, e = manager.request(S(regex=r"[0-9]")), manager.request(S(regex=r"[a-z]+"))
+        for r in (a, d, e):
+            r.future.result()
+        assert a.ready() and b.ready() and d.ready() and e.ready()
+        (seven,), (x,) = tok.encode("7"), tok.encode("x")
+        stop = min(manager.stop_token_ids)
+        assert manager.accept([("d", d, seven)]) == []  # (d may only end now)
+        tokens, flags = manager.device_buffers()[0], _flags(manager)
+        bitmask = manager.allocate_bitmask(3)
+        bitmask.fill_(0)
+        rows = [(0, a), (1, b), (2, d)]
+        ahead = [("b", b), ("e", e), ("d", d)]
+        job = manager.start_fill(bitmask, rows, [("a", a, seven)], ahead, device=True)
+        assert job.seq and job.ahead_keys is None
+        time.sleep(0.05)  # (the process waits for the flag: it cannot have filled anything)
+        assert not flag_reached(int(flags[MASK_FLAG]), job.seq)
+        assert (bitmask == 0).all()
+        tokens[:3] = tokens.new_tensor([x, -1, stop])
+        flags[TOKENS_FLAG] = job.seq  # (what the device writes last)
+        assert job.wait() == ["b"]
+        assert flag_reached(int(flags[MASK_FLAG]), job.seq)
+
+        def allowed(row: int) -> list[int]:
+            return [(int(bitmask[row, t // 32]) >> (t % 32)) & 1 for t in (seven, x)]
+
+        assert allowed(0) == allowed(1) == [1, 0]
+        assert (bitmask[2] == -1).all()  # (d ended: its row allows every token)
+
+        bitmask.fill_(0)
+        job = manager.start_fill(bitmask, [(0, e)], [], [("e", e)], device=True)
+        job.release_tokens()  # (its step did not launch: e takes no token)
+        assert job.wait() == [] and allowed(0) == [0, 1]
+
+        job = manager.start_fill(bitmask, [(0, a)], [], [("a", a)], device=True)
+        process = manager._process
+        assert process is not None
+        process.proc.kill()
+        with pytest.raises(GrammarProcessError, match="has ended"):
+            job.wait()
+        assert flag_reached(int(flags[MASK_FLAG]), job.seq) and (bitmask[0] == -1).all()
+    finally:
+        manager.shutdown()
+
+
+class HostHandshake:
+    """The runner's GrammarHandshake, done on the host at once: the CPU's forward has
+    run when the step's tokens are handed over, and the wait for the bitmask blocks."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+
+    def give_tokens(self, sync, tokens) -> None:
+        self.events.append(("tokens", sync.seq))
+        if tokens is not None and len(tokens):
+            sync.tokens[: len(tokens)] = tokens
+        sync.flags.numpy().view(np.uint32)[TOKENS_FLAG] = sync.seq
+
+    def wait_for_masks(self, sync) -> None:
+        flags = sync.flags.numpy().view(np.uint32)
+        deadline = time.monotonic() + 60
+        while not flag_reached(int(flags[MASK_FLAG]), sync.seq):
+            assert time.monotonic() < deadline, "the grammar process never filled the bitmask"
+            time.sleep(0.0001)
+        self.events.append(("masks", sync.seq))
+
+
+def test_device_steps_keep_every_constraint_and_match_the_host_steps():
+    """An engine whose constrained steps are device steps (the runner's handshake on the
+    host): every kind of constraint holds, beside unconstrained requests; greedy tokens
+    equal those of the host steps; the engine ends idle with every block back, and each
+    device step's answer was read (none left pending)."""
+    with LLM(device="cpu", max_model_len=256, multiprocess=False) as llm:
+        core = llm.engine.client.core
+        runner = core.executor.worker.runner
+        schemas, regexes = SCHEMAS[::4], REGEXES[::3]
+        params = [_json_params(schema, temperature=0.0) for schema in schemas]
+        params += [
+            SamplingParams(max_tokens=32, temperature=0.0, structured_outputs=S(regex=r))
+            for r in regexes
+        ]
+        params.append(
+            SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=S(choice=CHOICES))
+        )
+        params.append(
+            SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=S(grammar=GRAMMAR))
+        )
+        params.append(SamplingParams(max_tokens=24, temperature=0.0))
+        host = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+        assert core._device_steps is False
+        core._device_steps = True
+        runner._handshake = handshake = HostHandshake()
+        syncs = []
+        launch = core.executor.execute_model_async
+
+        def logged(sched):
+            if sched.grammar_sync is not None:
+                syncs.append(sched.grammar_sync.seq)
+            return launch(sched)
+
+        core.executor.execute_model_async = logged
+        device = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+        texts = [o.outputs[0].text for o in device]
+        for text, schema in zip(texts, schemas):
+            _check_json(text, schema)
+        for text, regex in zip(texts[len(schemas) :], regexes):
+            assert re.fullmatch(regex, text), (regex, text)
+        assert texts[-3] in CHOICES and re.fullmatch(r"The answer is [0-9]\.", texts[-2])
+        assert [o.outputs[0].token_ids for o in device] == [o.outputs[0].token_ids for o in host]
+        assert len(syncs) >= 10 and syncs == sorted(set(syncs))
+        # each device step handed its tokens over, then waited for its bitmask
+        assert handshake.events == [(kind, seq) for seq in syncs for kind in ("tokens", "masks")]
+        assert not core.structured._pending
+        _idle(llm)
+        plain = SamplingParams(max_tokens=4, temperature=0.0)
+        assert llm.generate([PROMPT], plain, use_tqdm=False)[0].outputs[0].token_ids

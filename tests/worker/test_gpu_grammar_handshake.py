@@ -1,0 +1,74 @@
+"""A device step's handshake on CUDA, in the structured manager's shared memory: the
+device writes the tokens ahead and their flag in stream order, and waits for the mask
+flag before it copies the bitmask, which the host writes only after the copy was
+queued (gathered on the device when its rows come in another order)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from asyncllm.step_io import GrammarSync
+from asyncllm.structured.grammar_process import MASK_FLAG, TOKENS_FLAG, flag_reached
+from asyncllm.structured.manager import _Shared
+from asyncllm.worker.grammar_handshake import GrammarHandshake
+from asyncllm.worker.mask_staging import MaskStaging
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+WORDS = 37
+
+
+@pytest.fixture
+def shared():
+    s = _Shared(8, WORDS, pin=True)
+    assert s.pinned and s.device_steps
+    yield s
+    s.close()
+
+
+def test_the_device_hands_its_tokens_over_in_stream_order(shared):
+    hs = GrammarHandshake()
+    flags = shared.flags_np
+    for seq in (2, 3):
+        sync = GrammarSync(seq, ["a", "b", "c"], shared.tokens, shared.flags)
+        sampled = torch.full((1024, 1024), float(seq), device="cuda")
+        for _ in range(8):  # (work before the tokens: they come after it)
+            sampled = sampled @ sampled / 1024
+        tokens = sampled[0, :3].to(torch.int64) + torch.arange(3, device="cuda")
+        hs.give_tokens(sync, tokens)
+        torch.cuda.synchronize()
+        assert flag_reached(int(flags[TOKENS_FLAG]), seq)
+        assert shared.tokens[:3].tolist() == [seq, seq + 1, seq + 2]
+    sync = GrammarSync(4, [], shared.tokens, shared.flags)
+    hs.give_tokens(sync, None)  # (no tokens ahead: the flag alone)
+    torch.cuda.synchronize()
+    assert int(flags[TOKENS_FLAG]) == 4
+
+
+@pytest.mark.parametrize("mask_rows", [None, [5, 0, 3, 1]])
+def test_the_device_waits_for_a_bitmask_written_after_its_copy_was_queued(shared, mask_rows):
+    staging = MaskStaging(4, torch.device("cuda"))
+    hs = GrammarHandshake()
+    flags = shared.flags_np
+    masks = shared.buffers[0][:6]
+    masks.fill_(0)
+    seq = int(flags[MASK_FLAG]) + 1
+    sync = GrammarSync(seq, [], shared.tokens, shared.flags)
+    hs.wait_for_masks(sync)
+    n = 4 if mask_rows else 6
+    rows, dev_masks, read = staging.to_device(masks, mask_rows, list(range(n)), later=True)
+    seen = dev_masks.clone()
+    done = torch.cuda.Event()
+    done.record()
+    assert read and not done.query()  # (the device waits for the flag)
+    want = np.random.default_rng(seq).integers(-(2**31), 2**31 - 1, (6, WORDS), dtype=np.int64)
+    masks.copy_(torch.from_numpy(want.astype(np.int32)))
+    flags[MASK_FLAG] = seq
+    done.synchronize()
+    expect = masks[:n] if mask_rows is None else masks[mask_rows]
+    assert torch.equal(seen.cpu(), expect)
+    assert torch.equal(rows.cpu(), torch.arange(n))
