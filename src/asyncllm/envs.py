@@ -18,6 +18,9 @@ so a test or a host that sets a variable before starting an engine is heard.
 - `ASYNCLLM_GRAMMAR_THREADS`: the most threads the grammar process splits a step's
   accepts and bitmask fill over (default: half the CPUs this process may use, at most 4;
   a thread gets at least 16 rows).
+- `ASYNCLLM_GRAMMAR_DEVICE_STEPS`: `0` has the host relay a constrained step's tokens to
+  the grammar process and queue its sampling once the bitmask is filled, as on the CPU;
+  by default, on CUDA with async scheduling, the device does both (default `1`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ VARIABLES = (
     "ASYNCLLM_API_KEY",
     "ASYNCLLM_PROGRESS",
     "ASYNCLLM_GRAMMAR_THREADS",
+    "ASYNCLLM_GRAMMAR_DEVICE_STEPS",
 )
 
 

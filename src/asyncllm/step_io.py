@@ -34,6 +34,19 @@ class CachedRequestData:
     num_computed_tokens: list[int] = field(default_factory=list)
 
 
+# A device step's flags (uint32 step numbers, each on its own 64-byte line of the
+# FLAG_WORDS words the grammar process shares with the core).
+FLAG_WORDS = 32
+TOKENS_FLAG = 0  # the device's: the step's tokens are in
+MASK_FLAG = 16  # the grammar process's: the step's bitmask is filled
+
+
+def flag_reached(value: int, seq: int) -> bool:
+    """Whether a flag holding `value` has reached step number `seq` (both uint32; the
+    numbers wrap)."""
+    return (value - seq) & 0xFFFFFFFF < 0x80000000
+
+
 @dataclass
 class GrammarSync:
     """A device step's handshake with the grammar process (structured/grammar_process.py),

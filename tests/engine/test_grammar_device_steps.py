@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from asyncllm import LLM, SamplingParams, StructuredOutputsParams
-from asyncllm.structured.grammar_process import MASK_FLAG, TOKENS_FLAG, flag_reached
+from asyncllm.step_io import MASK_FLAG, TOKENS_FLAG, flag_reached
 from tests.engine.test_structured_outputs import (
     CHOICES,
     GRAMMAR,

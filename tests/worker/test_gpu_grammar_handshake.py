@@ -5,12 +5,13 @@ queued (gathered on the device when its rows come in another order)."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
 
-from asyncllm.step_io import GrammarSync
-from asyncllm.structured.grammar_process import MASK_FLAG, TOKENS_FLAG, flag_reached
+from asyncllm.step_io import MASK_FLAG, TOKENS_FLAG, GrammarSync, flag_reached
 from asyncllm.structured.manager import _Shared
 from asyncllm.worker.grammar_handshake import GrammarHandshake
 from asyncllm.worker.mask_staging import MaskStaging
@@ -26,7 +27,12 @@ WORDS = 37
 def shared():
     s = _Shared(8, WORDS, pin=True)
     assert s.pinned and s.device_steps
+    # (a test that fails with the device still waiting ends failed, not hung: its flags
+    # are let go after a while, and by close())
+    watchdog = threading.Timer(60, lambda: s.flags_np.__iadd__(np.uint32(1 << 30)))
+    watchdog.start()
     yield s
+    watchdog.cancel()
     s.close()
 
 
@@ -35,10 +41,10 @@ def test_the_device_hands_its_tokens_over_in_stream_order(shared):
     flags = shared.flags_np
     for seq in (2, 3):
         sync = GrammarSync(seq, ["a", "b", "c"], shared.tokens, shared.flags)
-        sampled = torch.full((1024, 1024), float(seq), device="cuda")
-        for _ in range(8):  # (work before the tokens: they come after it)
-            sampled = sampled @ sampled / 1024
-        tokens = sampled[0, :3].to(torch.int64) + torch.arange(3, device="cuda")
+        x = torch.full((1024, 1024), 1 / 1024, device="cuda")
+        for _ in range(8):  # (work before the tokens: they come after it; x @ x is x)
+            x = x @ x
+        tokens = (x[0, :3] * 1024 * seq).round().to(torch.int64) + torch.arange(3, device="cuda")
         hs.give_tokens(sync, tokens)
         torch.cuda.synchronize()
         assert flag_reached(int(flags[TOKENS_FLAG]), seq)

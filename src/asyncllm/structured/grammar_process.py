@@ -9,7 +9,11 @@ request gets, and each step one message: the tokens the matchers accept, then th
 to fill. A step may name matchers whose tokens are not known yet (those of the step
 still on the device): the core sends it as soon as the step is scheduled, and the
 tokens follow in a "tokens" message once they are in; the process resolves the step's
-matchers meanwhile and runs it then (other messages may come between the two). The
+matchers meanwhile and runs it then (other messages may come between the two). On
+CUDA such a step is a device step (its message carries its number, seq): the device
+itself writes the tokens to the shared memory and sets a flag to seq; the process
+spins on that flag, runs the step, then sets another flag to seq, which the device
+waits for before it copies the bitmask and samples (step_io.GrammarSync). The
 process fills rows of the two bitmask buffers it shares with the core (a memory-mapped
 file the core opened, passed as a descriptor, as is the tokenizer's information; a row
 whose matcher a stop token ended allows every token) and answers the step with the
@@ -40,6 +44,7 @@ import msgspec
 import numpy as np
 
 from asyncllm import envs
+from asyncllm.step_io import FLAG_WORDS, MASK_FLAG, TOKENS_FLAG, flag_reached
 
 _HEADER = 4
 _LIVENESS_S = 1.0  # (how often a wait for an answer checks that the process lives)
@@ -82,23 +87,12 @@ def _recv(fd: int) -> Any:
 
 # The shared file: two bitmask buffers of `rows` x `words` int32, then `rows` int64 (the
 # tokens of a device step, written by the device), then FLAG_WORDS uint32 (the flags of
-# a device step, each on its own 64-byte line).
-FLAG_WORDS = 32
-TOKENS_FLAG = 0  # the device's: the step's tokens are in (the step's number)
-MASK_FLAG = 16  # the process's: the step's bitmask is filled (the step's number)
-
-
+# a device step, step_io's).
 def shared_layout(rows: int, words: int) -> tuple[int, int, int]:
     """(offset of the tokens, offset of the flags, size) of the shared file."""
     tokens = 2 * rows * words * 4
     flags = tokens + rows * 8
     return tokens, flags, flags + FLAG_WORDS * 4
-
-
-def flag_reached(value: int, seq: int) -> bool:
-    """Whether a flag holding `value` has reached step number `seq` (both uint32; the
-    numbers wrap)."""
-    return (value - seq) & 0xFFFFFFFF < 0x80000000
 
 
 # -- the child -----------------------------------------------------------------------

@@ -25,14 +25,12 @@ import torch
 
 from asyncllm.envs import grammar_threads
 from asyncllm.sampling_params import StructuredOutputsParams
+from asyncllm.step_io import MASK_FLAG, TOKENS_FLAG, flag_reached
 from asyncllm.structured.grammar import GrammarKey, build_grammar, grammar_key, xgrammar_module
 from asyncllm.structured.grammar_process import (
-    MASK_FLAG,
     START_TIMEOUT_S,
-    TOKENS_FLAG,
     GrammarProcess,
     GrammarProcessError,
-    flag_reached,
     shared_layout,
 )
 
@@ -156,7 +154,7 @@ class _Shared:
     """The two bitmask buffers, a device step's tokens and its flags, in a memory-mapped
     file the grammar process maps too (registered with CUDA as pinned, mapped memory
     where the runner copies from it; `device_steps`: the device can wait for the flags
-    and write them, see worker/stream_ops.py)."""
+    and write them, see asyncllm_kernels/stream_ops.py)."""
 
     def __init__(self, rows: int, words: int, pin: bool) -> None:
         where = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -173,7 +171,7 @@ class _Shared:
         self.flags_np[:] = 1  # (the step numbers start at 2)
         self.pinned = self.device_steps = False
         if pin:
-            from asyncllm.worker import stream_ops
+            from asyncllm_kernels import stream_ops
 
             rc = torch.cuda.cudart().cudaHostRegister(
                 whole.data_ptr(), size, stream_ops.REGISTER_MAPPED
@@ -187,6 +185,8 @@ class _Shared:
                     logger.warning("the device cannot wait for the grammar's flags")
 
     def close(self) -> None:
+        # (a device still waiting for a flag goes on: every number up to 2**30 ahead)
+        self.flags_np[:] = (self.flags_np.astype("int64") + (1 << 30)) & 0xFFFFFFFF
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.buffers[0].data_ptr())
             self.pinned = False

@@ -1,15 +1,14 @@
 """The model runner's side of a device step (step_io.GrammarSync): it queues, with the
 step's launch, the copy of the tokens the grammar process needs and the write of their
 flag, and before the sampling the device's wait for the bitmask's flag. The host waits
-for neither (worker/stream_ops.py)."""
+for neither (asyncllm_kernels/stream_ops.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from asyncllm.step_io import GrammarSync
-from asyncllm.structured.grammar_process import MASK_FLAG, TOKENS_FLAG
-from asyncllm.worker import stream_ops
+from asyncllm.step_io import MASK_FLAG, TOKENS_FLAG, GrammarSync
+from asyncllm_kernels import stream_ops
 
 
 class GrammarHandshake:

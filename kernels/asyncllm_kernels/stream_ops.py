@@ -2,7 +2,7 @@
 reach a value, or writes one there, in stream order (the driver's cuStreamWaitValue32
 and cuStreamWriteValue32, through ctypes: torch does not expose them).
 
-The grammar handshake uses them (see structured/grammar_process.py): a constrained
+asyncllm's grammar handshake uses them (its structured/grammar_process.py): a constrained
 step's sampling is queued with its forward and waits on the device for the flag the
 grammar process sets once its bitmask is filled, and the device tells the grammar
 process that the tokens it needs are in shared memory by writing another flag. The
