@@ -76,7 +76,6 @@ def main() -> None:
         print("gather", mask_rows, "held", held, "equal", torch.equal(seen.cpu(), expect))
     # 3. another process answers each tokens flag with the mask flag; the device waits
     n = 2000
-    tokens_at = s.tokens.data_ptr() - s.buffers[0].data_ptr()
     flags_at = s.flags.data_ptr() - s.buffers[0].data_ptr()
     child = subprocess.Popen(
         [
