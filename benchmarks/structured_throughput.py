@@ -32,6 +32,14 @@ def run(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[list[list
     return [list(o.outputs[0].token_ids) for o in outs], wall
 
 
+def host_steps(llm: LLM, kind: str) -> None:
+    """Sets the in-process core's constrained steps to host steps for `kind`
+    constrained_host_steps, else back to device steps where they can run."""
+    core = getattr(llm.engine.client, "core", None)  # (None: the core's own process)
+    if core is not None:
+        core._device_steps = False if kind == "constrained_host_steps" else None
+
+
 def runs_text(rates: list[float]) -> str:
     return "(" + ", ".join(f"{r:,.0f}" for r in rates) + ")"
 
@@ -43,8 +51,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3, help="timed runs of each kind, alternating")
     ap.add_argument("--save-tokens", help="a JSON file for the constrained outputs' token ids")
+    ap.add_argument(
+        "--host-steps-too",
+        action="store_true",
+        help="also constrained runs with host steps (as ASYNCLLM_GRAMMAR_DEVICE_STEPS=0), "
+        "in turn with the others in one engine whose core runs in this process",
+    )
     args = ap.parse_args()
     kwargs = engine_kwargs(args)
+    if args.host_steps_too:
+        kwargs["multiprocess"] = False
     kwargs.setdefault("max_num_seqs", max(args.batch))
     llm = LLM(**kwargs)
     free = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -57,13 +73,17 @@ def main() -> None:
     try:
         for batch in args.batch:
             prompts = [f"List {batch} words about item {i}, as a JSON array:" for i in range(batch)]
-            kinds = (("unconstrained", free), ("constrained", constrained))
-            for _, params in kinds:
+            kinds = [("unconstrained", free), ("constrained", constrained)]
+            if args.host_steps_too:
+                kinds.append(("constrained_host_steps", constrained))
+            for name, params in kinds:
+                host_steps(llm, name)
                 run(llm, prompts, params)  # warm-up (and the grammar's compile, cached)
             runs: dict[str, list[float]] = {name: [] for name, _ in kinds}
             row: dict = {"batch": batch}
             for _ in range(args.repeat):  # alternating, so a host's drift hits both alike
                 for name, params in kinds:
+                    host_steps(llm, name)
                     outputs, wall = run(llm, prompts, params)
                     tokens = sum(map(len, outputs))
                     runs[name].append(tokens / wall)
@@ -83,6 +103,13 @@ def main() -> None:
                 f"{runs_text(runs['unconstrained'])}, constrained {row['constrained']['tok_s']} "
                 f"tok/s {runs_text(runs['constrained'])} ({100 * row['slowdown']:.1f}% slower)"
             )
+            if args.host_steps_too:
+                host = row["constrained_host_steps"]["tok_s"]
+                slower = 1 - host / row["unconstrained"]["tok_s"]
+                print(
+                    f"batch {batch}: constrained with host steps {host} tok/s "
+                    f"{runs_text(runs['constrained_host_steps'])} ({100 * slower:.1f}% slower)"
+                )
     finally:
         llm.shutdown()
     print(json.dumps({"benchmark": "structured_throughput", "rows": rows}))

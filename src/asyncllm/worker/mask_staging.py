@@ -63,6 +63,13 @@ class MaskStaging:
         self._dev_mask_rows = torch.empty(rows, dtype=torch.int64, device=self.device)
         self._arange = torch.arange(rows, dtype=torch.int64, device=self.device)
 
+    def reserve(self, rows: int, words: int) -> None:
+        """Makes the buffers for `rows` masks of `words` words now, if they are lacking:
+        before a device step queues its wait (pinned allocations may wait for the
+        device)."""
+        if words != self._words or rows > self.capacity:
+            self._make(max(self.capacity, rows), words)
+
     def to_device(
         self,
         masks: torch.Tensor,

@@ -404,6 +404,9 @@ class ModelRunner:
         result.finish = None
         done = torch.cuda.Event() if self.device.type == "cuda" else None
         if so.grammar_sync is not None:
+            # (the staging's buffers first: making them may wait for the device, which
+            # would then wait for this step's masks)
+            self._staging().reserve(*so.grammar_bitmask.shape)
             assert self._handshake is not None
             self._handshake.wait_for_masks(so.grammar_sync)
         if so.grammar_bitmask is not None and self._apply_grammar_bitmask(so, inputs, logits):
@@ -691,11 +694,7 @@ class ModelRunner:
         else:
             sampled = [states[i].req_id for i in inputs.samples]
         masks = so.grammar_bitmask
-        staging = self._mask_staging
-        if self.device.type == "cuda" and staging is None:
-            staging = self._mask_staging = MaskStaging(
-                self.config.scheduler.max_num_seqs, self.device
-            )
+        staging = self._staging() if self.device.type == "cuda" else None
         if sampled == so.structured_req_ids:  # (the usual step: every row, in order)
             if (
                 staging is not None
@@ -727,6 +726,11 @@ class ModelRunner:
             masks = masks[: len(mask_rows)] if in_order else masks[mask_rows]
         ops.apply_token_bitmask(logits, rows, masks)
         return read_later
+
+    def _staging(self) -> MaskStaging:
+        if self._mask_staging is None:
+            self._mask_staging = MaskStaging(self.config.scheduler.max_num_seqs, self.device)
+        return self._mask_staging
 
     def _sample(
         self, inputs: StepInputs, logits: torch.Tensor
