@@ -406,7 +406,8 @@ class ModelRunner:
         if so.grammar_sync is not None:
             # (the staging's buffers first: making them may wait for the device, which
             # would then wait for this step's masks)
-            self._staging().reserve(*so.grammar_bitmask.shape)
+            if self.device.type == "cuda":
+                self._staging().reserve(*so.grammar_bitmask.shape)
             assert self._handshake is not None
             self._handshake.wait_for_masks(so.grammar_sync)
         if so.grammar_bitmask is not None and self._apply_grammar_bitmask(so, inputs, logits):
