@@ -55,6 +55,7 @@ def main() -> None:
     )
     # 2. the gathered copy behind a wait
     staging = MaskStaging(4, torch.device("cuda"))
+    staging.reserve(6, 37)  # (before any wait: pinned allocations may wait for the device)
     for mask_rows in (None, [5, 0, 3, 1], [1, 0]):
         masks = s.buffers[0][:6]
         masks.fill_(0)

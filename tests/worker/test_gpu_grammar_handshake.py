@@ -58,6 +58,7 @@ def test_the_device_hands_its_tokens_over_in_stream_order(shared):
 @pytest.mark.parametrize("mask_rows", [None, [5, 0, 3, 1]])
 def test_the_device_waits_for_a_bitmask_written_after_its_copy_was_queued(shared, mask_rows):
     staging = MaskStaging(4, torch.device("cuda"))
+    staging.reserve(6, WORDS)  # (as the runner: pinned allocations may wait for the device)
     hs = GrammarHandshake()
     flags = shared.flags_np
     masks = shared.buffers[0][:6]
