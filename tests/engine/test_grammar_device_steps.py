@@ -166,3 +166,73 @@ def test_device_steps_keep_every_constraint_and_match_the_host_steps():
         _idle(llm)
         plain = SamplingParams(max_tokens=4, temperature=0.0)
         assert llm.generate([PROMPT], plain, use_tqdm=False)[0].outputs[0].token_ids
+
+        # A device step of which the runner holds no request still hands its tokens
+        # over (-1: none) and waits for its masks (the next step's tokens come after).
+        import torch
+
+        from asyncllm.step_io import CachedRequestData, GrammarSync, SchedulerOutput
+
+        tokens, flags = torch.zeros(2, dtype=torch.int64), torch.zeros(32, dtype=torch.int32)
+        flags[MASK_FLAG] = 7  # (the grammar process's answer, already in)
+        ghost = SchedulerOutput([], CachedRequestData(), {"ghost": 1}, 1, set())
+        ghost.grammar_sync = GrammarSync(7, ["ghost"], tokens, flags)
+        handshake.events.clear()
+        assert not runner.execute_model_async(ghost).result().sampled_token_ids
+        assert handshake.events == [("tokens", 7), ("masks", 7)]
+        assert tokens[0] == -1 and flags[TOKENS_FLAG] == 7
+
+
+def test_a_device_left_waiting_by_a_lost_grammar_process_is_let_go(monkeypatch):
+    """The step's thread may be blocked behind the device (it reads no answer) while the
+    device waits for a fill: the watchdog lets the device go if the grammar process
+    dies, or leaves a device job unanswered past STEP_TIMEOUT_S (it is killed then). The
+    job's rows allow every token, its mask flag is set, and waiting for it says the
+    process was lost."""
+    from transformers import AutoTokenizer
+
+    from asyncllm.model.source import embedded_model_path
+    from asyncllm.structured import grammar_process
+    from asyncllm.structured.grammar_process import GrammarProcessError
+    from asyncllm.structured.manager import StructuredOutputManager
+
+    path = str(embedded_model_path())
+    manager = StructuredOutputManager(path, vocab_size=len(AutoTokenizer.from_pretrained(path)))
+
+    def let_go(job) -> None:
+        deadline = time.monotonic() + 30
+        while not flag_reached(int(_flags(manager)[MASK_FLAG]), job.seq):
+            assert time.monotonic() < deadline, "the device was never let go"
+            time.sleep(0.01)
+
+    try:
+        a = manager.request(S(regex=r"[0-9]+"))
+        a.future.result()
+        assert a.ready()
+        bitmask = manager.allocate_bitmask(1)
+        bitmask.fill_(0)
+        # (its tokens never come: the process waits for them)
+        job = manager.start_fill(bitmask, [(0, a)], [], [("a", a)], device=True)
+        process = manager._process
+        assert process is not None
+        process.proc.kill()
+        let_go(job)
+        assert (bitmask[0] == -1).all()
+        with pytest.raises(GrammarProcessError, match="has ended"):
+            job.wait()
+        manager.reset()
+
+        monkeypatch.setattr(grammar_process, "STEP_TIMEOUT_S", 1.0)
+        b = manager.request(S(regex=r"[0-9]+"))
+        assert b.ready()  # (a new process)
+        bitmask.fill_(0)
+        job = manager.start_fill(bitmask, [(0, b)], [], [("b", b)], device=True)
+        hung = manager._process
+        assert hung is not None and hung is not process
+        let_go(job)
+        assert hung.proc.wait(timeout=10) is not None  # (killed)
+        assert (bitmask[0] == -1).all()
+        with pytest.raises(GrammarProcessError):
+            job.wait()
+    finally:
+        manager.shutdown()

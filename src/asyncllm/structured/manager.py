@@ -16,6 +16,7 @@ import mmap
 import os
 import tempfile
 import threading
+import time
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +27,7 @@ import torch
 from asyncllm.envs import grammar_threads
 from asyncllm.sampling_params import StructuredOutputsParams
 from asyncllm.step_io import MASK_FLAG, TOKENS_FLAG, flag_reached
+from asyncllm.structured import grammar_process
 from asyncllm.structured.grammar import GrammarKey, build_grammar, grammar_key, xgrammar_module
 from asyncllm.structured.grammar_process import (
     START_TIMEOUT_S,
@@ -35,6 +37,9 @@ from asyncllm.structured.grammar_process import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+WATCH_S = 0.5  # (how often the device steps' watchdog looks; see `_watch`)
 
 
 class StructuredRequest:
@@ -84,6 +89,7 @@ class FillJob:
         "ahead_keys",
         "stale",
         "seq",
+        "sent_at",
     )
 
     def __init__(
@@ -96,6 +102,7 @@ class FillJob:
     ) -> None:
         self._manager, self._keys, self._bitmask = manager, keys, bitmask
         self.seq = seq  # (a device job's number; 0: a host job)
+        self.sent_at = time.monotonic()
         self._refused: list[Any] = []
         self._error: BaseException | None = None
         self._done = manager is None
@@ -188,6 +195,7 @@ class _Shared:
         # (a device still waiting for a flag goes on: every number up to 2**30 ahead)
         self.flags_np[:] = (self.flags_np.astype("int64") + (1 << 30)) & 0xFFFFFFFF
         if self.pinned:
+            torch.cuda.synchronize()  # (the copies queued from and to this memory run first)
             torch.cuda.cudart().cudaHostUnregister(self.buffers[0].data_ptr())
             self.pinned = False
         self.buffers = []
@@ -233,6 +241,8 @@ class StructuredOutputManager:
         self._freed: list[int] = []  # matchers let go, to send
         self._pending: deque[FillJob] = deque()  # the steps sent whose answers are unread
         self._seq = 1  # the last device step's number (the flags start at 1)
+        self._watchdog: threading.Thread | None = None  # (started by the first device job)
+        self._stop_watching = threading.Event()
 
     def _get_compiler(self) -> Any:
         with self._lock:  # (built once, by the first compilation)
@@ -361,6 +371,33 @@ class StructuredOutputManager:
             if not flag_reached(int(flags[MASK_FLAG]), seq):
                 flags[MASK_FLAG] = seq
 
+    def _watch(self) -> None:
+        """The device steps' watchdog. A device may wait for a fill's flag while the
+        step's thread waits for the device (a pinned allocation, a sync for logits
+        processors): if the grammar process then dies, or leaves a device job unanswered
+        for STEP_TIMEOUT_S (it is killed), only this thread can let the device go. It
+        opens the bitmasks of the unanswered device jobs to every token and sets their
+        flag; the step's thread then finds the process lost and ends its requests."""
+        while not self._stop_watching.wait(WATCH_S):
+            with self._start_lock:
+                process = self._process
+                try:
+                    jobs = [j for j in self._pending if j.seq and not j._done]
+                except RuntimeError:  # (the deque changed meanwhile: next time)
+                    continue
+                if process is None or not jobs:
+                    continue
+                hung = time.monotonic() - jobs[0].sent_at > grammar_process.STEP_TIMEOUT_S
+                if process.proc.poll() is None and not hung:
+                    continue
+                if hung:
+                    process.proc.kill()
+                for job in jobs:
+                    if job._bitmask is not None:
+                        job._bitmask.fill_(-1)
+                self._release_mask(jobs[-1].seq)
+            logger.warning("the grammar process was lost with device steps waiting: let go")
+
     def _send_tokens(self, job: FillJob, tokens: list[list[int]]) -> None:
         assert self._process is not None
         try:
@@ -408,6 +445,11 @@ class StructuredOutputManager:
         msg.append([r.matcher_id for _, r in ahead] if ahead else [])
         keys = [key for key, _, _ in accepts]
         if device:
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(
+                    target=self._watch, name="asyncllm-grammar-watchdog", daemon=True
+                )
+                self._watchdog.start()
             self._seq = seq = self._seq % 0xFFFFFFFF + 1
             msg.append(seq)
             job = FillJob(self, keys + [key for key, _ in ahead or ()], bitmask, seq=seq)
@@ -424,9 +466,9 @@ class StructuredOutputManager:
             process, self._process = self._process, None
             if process is not None:
                 process.close(kill=True)
-        for job in self._pending:
-            job._fail(GrammarProcessError("the grammar process was stopped"), stale=True)
-        self._pending.clear()
+            for job in self._pending:
+                job._fail(GrammarProcessError("the grammar process was stopped"), stale=True)
+            self._pending.clear()
         self._grammar_ids.clear()
         self._new_matchers, self._freed = [], []
 
@@ -460,6 +502,7 @@ class StructuredOutputManager:
         return buffers[k][:rows]
 
     def shutdown(self) -> None:
+        self._stop_watching.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for job in list(self._pending):
             if job.ahead_keys is not None:  # (no tokens will come: it accepts none)

@@ -369,10 +369,16 @@ class ModelRunner:
         if sync is not None and self._handshake is None:
             self._handshake = GrammarHandshake()
         if not scheduled:
-            if sync is not None:  # (no token is known to be ahead of it: none are given)
-                sync.tokens[: len(sync.ahead_req_ids)] = -1
+            if sync is not None:  # (the tokens ahead still go, and the masks are waited for)
+                buf = self.buffers
+                buf.wait_until_writable()
+                k = self._write_grammar_rows(sync)
+                if buf.grammar_rows.device is not buf.grammar_rows.cpu:
+                    buf.grammar_rows.device[:k].copy_(buf.grammar_rows.cpu[:k], non_blocking=True)
+                buf.step_queued()
+                self._give_tokens_ahead(sync)
                 assert self._handshake is not None
-                self._handshake.give_tokens(sync, None)
+                self._handshake.wait_for_masks(sync)
             return StepResult(self, [], failed, {}, None)
         inputs = self._prepare_inputs(scheduled, sync)
         # Picked before sampling appends tokens: whether a request still owes prompt
@@ -403,6 +409,8 @@ class ModelRunner:
         logprobs and the copies to the host."""
         result.finish = None
         done = torch.cuda.Event() if self.device.type == "cuda" else None
+        # (first: they wait for the device, which a device step's wait below would hold)
+        prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)
         if so.grammar_sync is not None:
             # (the staging's buffers first: making them may wait for the device, which
             # would then wait for this step's masks)
@@ -417,7 +425,6 @@ class ModelRunner:
         try:
             groups, sample_failed = self._sample(inputs, logits)
             del logits
-            prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)
         finally:
             if done is not None:
                 done.record()
@@ -579,12 +586,7 @@ class ModelRunner:
         buf.sample_rows.np[: len(samples)] = rows[samples]
         buf.logit_rows.np[: len(samples)] = qsl[1:][samples] - 1
         if sync is not None:
-            none = len(self.last_sampled) - 1  # (its row holds -1)
-            k = len(sync.ahead_req_ids)
-            buf.grammar_rows.np[:k] = [
-                state.row if state is not None else none
-                for state in map(batch.requests.get, sync.ahead_req_ids)
-            ]
+            self._write_grammar_rows(sync)
         graph_size = None
         if T == S and len(samples) == S and self.capture_sizes:
             graph_size = padded_size(S, self.capture_sizes)
@@ -595,10 +597,7 @@ class ModelRunner:
             buf.copy_to_device(S)
         buf.step_queued()
         if sync is not None:
-            k = len(sync.ahead_req_ids)
-            ahead = self.last_sampled.index_select(0, buf.grammar_rows.device[:k]) if k else None
-            assert self._handshake is not None
-            self._handshake.give_tokens(sync, ahead)
+            self._give_tokens_ahead(sync)
         if len(pending):
             k = len(pending)
             sampled = self.last_sampled.index_select(0, buf.pending_rows.device[:k])
@@ -613,6 +612,27 @@ class ModelRunner:
             samples=samples,
             graph_size=graph_size,
         )
+
+    def _write_grammar_rows(self, sync: GrammarSync) -> int:
+        """Writes the persistent rows of a device step's requests ahead to the step
+        buffers (a request the runner does not hold: the row whose token is -1); their
+        number."""
+        none = len(self.last_sampled) - 1
+        requests = self.input_batch.requests
+        k = len(sync.ahead_req_ids)
+        self.buffers.grammar_rows.np[:k] = [
+            state.row if state is not None else none
+            for state in map(requests.get, sync.ahead_req_ids)
+        ]
+        return k
+
+    def _give_tokens_ahead(self, sync: GrammarSync) -> None:
+        """Queues the hand-over of the last tokens sampled for a device step's requests
+        ahead (their rows on the device already) to the grammar process."""
+        k = len(sync.ahead_req_ids)
+        rows = self.buffers.grammar_rows.device[:k]
+        assert self._handshake is not None
+        self._handshake.give_tokens(sync, self.last_sampled.index_select(0, rows) if k else None)
 
     def _metadata(self, T: int, S: int) -> Any:
         """The backend's attention metadata over the first T tokens and S sequences of
