@@ -54,12 +54,14 @@ class GrammarSync:
     tokens it sampled for `ahead_req_ids` (in order, -1 for a request it does not hold)
     to `tokens` (int64), then sets `flags[TOKENS_FLAG]` to `seq`; the grammar process
     fills the step's bitmask, then sets `flags[MASK_FLAG]` to `seq`, which the device
-    waits for before it copies the bitmask and samples."""
+    waits for before it copies the bitmask and samples. `given`: the runner has queued
+    the device's hand-over (the host must not write the tokens or their flag then)."""
 
     seq: int
     ahead_req_ids: list[str]
     tokens: Any
     flags: Any
+    given: bool = False
 
 
 @dataclass

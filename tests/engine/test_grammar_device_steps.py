@@ -182,6 +182,36 @@ def test_device_steps_keep_every_constraint_and_match_the_host_steps():
         assert handshake.events == [("tokens", 7), ("masks", 7)]
         assert tokens[0] == -1 and flags[TOKENS_FLAG] == 7
 
+        # A launch that fails once the device's hand-over is queued (here: held back,
+        # as a device behind its queue would be) leaves the tokens to the device: the
+        # host sets no flag and writes no -1 over them.
+        class QueuedHandshake(HostHandshake):
+            def give_tokens(self, sync, tokens) -> None:
+                self.events.append(("queued", sync.seq))
+
+        runner._handshake = queued = QueuedHandshake()
+        run_model = runner._run_model
+
+        def failing(*args, **kwargs):
+            if queued.events:
+                raise RuntimeError("the forward failed")
+            return run_model(*args, **kwargs)
+
+        runner._run_model = failing
+        flags_np = _flags(core.structured)
+        core.structured.device_buffers()[0].fill_(5)
+        llm.engine.add_request("after", PROMPT, params[0])
+        try:
+            with pytest.raises(RuntimeError, match="the forward failed"):
+                for _ in range(50):
+                    core.step()
+        finally:
+            runner._run_model = run_model
+        ((_, seq),) = queued.events
+        assert not flag_reached(int(flags_np[TOKENS_FLAG]), seq)
+        assert (core.structured.device_buffers()[0] == 5).all()
+        flags_np[TOKENS_FLAG] = seq  # (what the device would write; the fill then answers)
+
 
 def test_a_device_left_waiting_by_a_lost_grammar_process_is_let_go(monkeypatch):
     """The step's thread may be blocked behind the device (it reads no answer) while the

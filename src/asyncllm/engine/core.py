@@ -205,8 +205,9 @@ class EngineCore:
                     ahead = self._tokens_ahead(job) if masks_due else None
             except BaseException:
                 # (the grammar process waits for the job's tokens: it gets none, and the
-                # next step can be sent)
-                self.scheduler.give_grammar_tokens(job, None)
+                # next step can be sent; unless the device's hand-over is queued)
+                if sched.grammar_sync is None or not sched.grammar_sync.given:
+                    self.scheduler.give_grammar_tokens(job, None)
                 raise
             if device:
                 self._in_flight.append((sched, future))

@@ -633,6 +633,7 @@ class ModelRunner:
         rows = self.buffers.grammar_rows.device[:k]
         assert self._handshake is not None
         self._handshake.give_tokens(sync, self.last_sampled.index_select(0, rows) if k else None)
+        sync.given = True
 
     def _metadata(self, T: int, S: int) -> Any:
         """The backend's attention metadata over the first T tokens and S sequences of
