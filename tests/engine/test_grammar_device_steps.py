@@ -16,13 +16,12 @@ from asyncllm import LLM, SamplingParams, StructuredOutputsParams
 from asyncllm.step_io import MASK_FLAG, TOKENS_FLAG, flag_reached
 from tests.engine.test_structured_outputs import (
     CHOICES,
-    GRAMMAR,
     PROMPT,
     REGEXES,
     SCHEMAS,
+    _all_kinds,
     _check_json,
     _idle,
-    _json_params,
 )
 
 pytest.importorskip("xgrammar")
@@ -65,7 +64,7 @@ def test_a_device_step_gets_its_tokens_and_sets_its_flag_through_shared_memory()
         ahead = [("b", b), ("e", e), ("d", d)]
         job = manager.start_fill(bitmask, rows, [("a", a, seven)], ahead, device=True)
         assert job.seq and job.ahead_keys is None
-        time.sleep(0.05)  # (the process waits for the flag: it cannot have filled anything)
+        # (the process waits for the flag: it has filled nothing)
         assert not flag_reached(int(flags[MASK_FLAG]), job.seq)
         assert (bitmask == 0).all()
         tokens[:3] = tokens.new_tensor([x, -1, stop])
@@ -116,6 +115,9 @@ class HostHandshake:
             time.sleep(0.0001)
         self.events.append(("masks", sync.seq))
 
+    def wait_on_host(self, sync) -> None:
+        self.wait_for_masks(sync)
+
 
 def test_device_steps_keep_every_constraint_and_match_the_host_steps():
     """An engine whose constrained steps are device steps (the runner's handshake on the
@@ -126,18 +128,9 @@ def test_device_steps_keep_every_constraint_and_match_the_host_steps():
         core = llm.engine.client.core
         runner = core.executor.worker.runner
         schemas, regexes = SCHEMAS[::4], REGEXES[::3]
-        params = [_json_params(schema, temperature=0.0) for schema in schemas]
-        params += [
-            SamplingParams(max_tokens=32, temperature=0.0, structured_outputs=S(regex=r))
-            for r in regexes
-        ]
-        params.append(
-            SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=S(choice=CHOICES))
-        )
-        params.append(
-            SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=S(grammar=GRAMMAR))
-        )
-        params.append(SamplingParams(max_tokens=24, temperature=0.0))
+        kinds, n = _all_kinds(), len(SCHEMAS)  # (these, a choice, a grammar, a free one)
+        params = [kinds[i] for i in [*range(0, n, 4), *range(n, n + len(REGEXES), 3)]]
+        params += kinds[-3:]
         host = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
         assert core._device_steps is False
         core._device_steps = True

@@ -5,9 +5,11 @@ for neither (asyncllm_kernels/stream_ops.py)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from asyncllm.step_io import MASK_FLAG, TOKENS_FLAG, GrammarSync
+from asyncllm.step_io import MASK_FLAG, TOKENS_FLAG, GrammarSync, flag_reached
 from asyncllm_kernels import stream_ops
 
 
@@ -33,3 +35,10 @@ class GrammarHandshake:
         """Queues the device's wait for the step's bitmask (the work queued next runs
         once the grammar process has filled it)."""
         stream_ops.wait_value(self._flag(sync, MASK_FLAG), sync.seq)
+
+    def wait_on_host(self, sync: GrammarSync) -> None:
+        """Waits here until the grammar process has filled the step's bitmask (its flag;
+        the manager's watchdog sets it if the process is lost)."""
+        flags = sync.flags.numpy().view("uint32")
+        while not flag_reached(int(flags[MASK_FLAG]), sync.seq):
+            time.sleep(0.0001)

@@ -28,9 +28,7 @@ class _Slot:
     def __init__(self, rows: int, words: int, device: torch.device) -> None:
         self.masks = torch.empty(rows, words, dtype=torch.int32).pin_memory()
         self.rows = torch.empty(rows, dtype=torch.int64).pin_memory()
-        self.mask_rows = torch.empty(rows, dtype=torch.int64).pin_memory()
         self.masks_np, self.rows_np = self.masks.numpy(), self.rows.numpy()
-        self.mask_rows_np = self.mask_rows.numpy()
         self.copied = torch.cuda.Event()  # (never recorded: synchronize() returns at once)
 
 
@@ -48,7 +46,6 @@ class MaskStaging:
         self._next = 0
         self._words = 0
         self._dev_masks = self._dev_rows = self._arange = torch.empty(0)
-        self._dev_all = self._dev_mask_rows = torch.empty(0)
         # (bitmask address, rows, logits address, logits row stride) -> its graph
         self._graphs: dict[tuple[int, int, int, int], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
@@ -59,8 +56,6 @@ class MaskStaging:
         self._slots = [_Slot(rows, words, self.device) for _ in range(self.SLOTS)]
         self._dev_masks = torch.empty(rows, words, dtype=torch.int32, device=self.device)
         self._dev_rows = torch.empty(rows, dtype=torch.int64, device=self.device)
-        self._dev_all = torch.empty(rows, words, dtype=torch.int32, device=self.device)
-        self._dev_mask_rows = torch.empty(rows, dtype=torch.int64, device=self.device)
         self._arange = torch.arange(rows, dtype=torch.int64, device=self.device)
 
     def reserve(self, rows: int, words: int) -> None:
@@ -71,32 +66,20 @@ class MaskStaging:
             self._make(max(self.capacity, rows), words)
 
     def to_device(
-        self,
-        masks: torch.Tensor,
-        mask_rows: list[int] | None,
-        logit_rows: list[int],
-        later: bool = False,
+        self, masks: torch.Tensor, mask_rows: list[int] | None, logit_rows: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(logits rows, their masks) on the device: row `logit_rows[i]` of the logits
         takes `masks[mask_rows[i]]` (`mask_rows` None: `masks[i]`); and whether `masks`
         itself is read by a copy still to run (then it must not be written before an
-        event recorded after this on the current stream has passed). `later`: `masks`
-        (pinned) is filled after this call, before the device reaches the copy queued
-        here (a device step's); nothing here reads it on the host, and `mask_rows` are
-        gathered on the device from a copy of all of it."""
+        event recorded after this on the current stream has passed)."""
         n, words = len(logit_rows), masks.shape[1]
-        gather = later and mask_rows is not None
-        m = masks.shape[0] if gather else n
-        if words != self._words or max(n, m) > self.capacity:
-            self._make(max(self.capacity, n, m), words)
+        self.reserve(n, words)
         dev_masks = self._dev_masks[:n]
-        direct = (mask_rows is None or later) and masks.is_pinned()
-        if later and not direct:
-            raise ValueError("a bitmask filled after its step's launch must be pinned")
+        direct = mask_rows is None and masks.is_pinned()
         if direct:
-            (self._dev_all[:m] if gather else dev_masks).copy_(masks[:m], non_blocking=True)
+            dev_masks.copy_(masks[:n], non_blocking=True)
         in_order = logit_rows == list(range(n))
-        if not direct or not in_order or gather:
+        if not direct or not in_order:
             slot = self._slots[self._next]
             self._next = (self._next + 1) % self.SLOTS
             slot.copied.synchronize()  # (the step that used it last has long been copied)
@@ -107,11 +90,6 @@ class MaskStaging:
                 else:
                     np.take(src, mask_rows, axis=0, out=slot.masks_np[:n])
                 dev_masks.copy_(slot.masks[:n], non_blocking=True)
-            if gather:
-                slot.mask_rows_np[:n] = mask_rows
-                index = self._dev_mask_rows[:n]
-                index.copy_(slot.mask_rows[:n], non_blocking=True)
-                torch.index_select(self._dev_all[:m], 0, index, out=dev_masks)
             if not in_order:
                 slot.rows_np[:n] = logit_rows
                 self._dev_rows[:n].copy_(slot.rows[:n], non_blocking=True)
@@ -129,8 +107,7 @@ class MaskStaging:
         from asyncllm_kernels.bitmask import apply_token_bitmask_
 
         n, words = logits.shape[0], masks.shape[1]
-        if words != self._words or n > self.capacity:
-            self._make(max(self.capacity, n), words)
+        self.reserve(n, words)
         key = (masks.data_ptr(), n, logits.data_ptr(), logits.stride(0))
         graph = self._graphs.get(key)
         if graph is not None:

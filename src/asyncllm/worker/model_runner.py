@@ -369,16 +369,8 @@ class ModelRunner:
         if sync is not None and self._handshake is None:
             self._handshake = GrammarHandshake()
         if not scheduled:
-            if sync is not None:  # (the tokens ahead still go, and the masks are waited for)
-                buf = self.buffers
-                buf.wait_until_writable()
-                k = self._write_grammar_rows(sync)
-                if buf.grammar_rows.device is not buf.grammar_rows.cpu:
-                    buf.grammar_rows.device[:k].copy_(buf.grammar_rows.cpu[:k], non_blocking=True)
-                buf.step_queued()
-                self._give_tokens_ahead(sync)
-                assert self._handshake is not None
-                self._handshake.wait_for_masks(sync)
+            if sync is not None:
+                self._handshake_alone(sync)
             return StepResult(self, [], failed, {}, None)
         inputs = self._prepare_inputs(scheduled, sync)
         # Picked before sampling appends tokens: whether a request still owes prompt
@@ -626,6 +618,21 @@ class ModelRunner:
         ]
         return k
 
+    def _handshake_alone(self, sync: GrammarSync) -> None:
+        """A device step with nothing to run still hands its tokens ahead over (with
+        only their rows copied to the device) and waits for its masks: the next step's
+        hand-over must not overwrite these tokens before the grammar process has read
+        them."""
+        buf = self.buffers
+        buf.wait_until_writable()
+        k = self._write_grammar_rows(sync)
+        if buf.grammar_rows.device is not buf.grammar_rows.cpu:
+            buf.grammar_rows.device[:k].copy_(buf.grammar_rows.cpu[:k], non_blocking=True)
+        buf.step_queued()
+        self._give_tokens_ahead(sync)
+        assert self._handshake is not None
+        self._handshake.wait_for_masks(sync)
+
     def _give_tokens_ahead(self, sync: GrammarSync) -> None:
         """Queues the hand-over of the last tokens sampled for a device step's requests
         ahead (their rows on the device already) to the grammar process."""
@@ -739,9 +746,14 @@ class ModelRunner:
         if not logit_rows:
             return False
         read_later = False
+        if not in_order and so.grammar_sync is not None:
+            # (a device step whose masks are gathered on the host, once filled: only when
+            # the runner lacks one of its constrained requests, the orders being the same)
+            assert self._handshake is not None
+            self._handshake.wait_on_host(so.grammar_sync)
         if staging is not None:
             rows, masks, read_later = staging.to_device(
-                masks, None if in_order else mask_rows, logit_rows, so.grammar_sync is not None
+                masks, None if in_order else mask_rows, logit_rows
             )
         else:
             rows = torch.tensor(logit_rows, dtype=torch.int64)
