@@ -1,7 +1,10 @@
 """When each part of a constrained decode step runs on the engine core's step thread:
 the median start and end (µs from the step's start) of each timed function over
 `--steps` decode steps, at one batch size (the grammar process's accepts and fill show
-as the wait for them, `fill_wait`).
+as the wait for them, `fill_wait`). On CUDA, also the device's side of each step, from
+events queued around the forward, a device step's wait for its masks and the sampling:
+how long the device ran the forward, waited for the grammar process, masked and
+sampled, and sat idle waiting for the host to launch the next step.
 
 The engine runs in this process (`multiprocess=False`); every request is constrained by
 the benchmarks' JSON schema (an array of short strings). Functions are wrapped, not
@@ -13,6 +16,7 @@ changed; a function that runs more than once a step is listed once per call.
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import threading
@@ -26,6 +30,7 @@ from asyncllm import LLM, SamplingParams, StructuredOutputsParams
 from asyncllm.bench.common import ARRAY_SCHEMA, add_engine_args, engine_kwargs, wrap_timed
 
 EVENTS: list[tuple[str, str, float, float]] = []  # (name, thread, start, end)
+MARKS: list[tuple[str, Any, Any]] = []  # (name, event before, event after), in launch order
 
 
 def wrap(obj: Any, name: str, label: str) -> None:
@@ -33,6 +38,48 @@ def wrap(obj: Any, name: str, label: str) -> None:
         EVENTS.append((label, threading.current_thread().name, t0, t1))
 
     wrap_timed(obj, name, record)
+
+
+def mark(obj: Any, name: str, label: str) -> None:
+    """Queues a timing event on the current stream before and after each call of
+    `obj.name` (what the call queued runs between them)."""
+    fn = getattr(obj, name)
+
+    @functools.wraps(fn)
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        before = torch.cuda.Event(enable_timing=True)
+        before.record()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            after = torch.cuda.Event(enable_timing=True)
+            after.record()
+            MARKS.append((label, before, after))
+
+    setattr(obj, name, marked)
+
+
+def device_report() -> None:
+    """The device's median µs per step: each marked part, and its idle time between
+    the end of one step's sampling and the start of the next one's forward."""
+    torch.cuda.synchronize()
+    steps: list[dict[str, tuple[Any, Any]]] = []
+    for label, before, after in MARKS:
+        if label == "forward" or not steps:
+            steps.append({})
+        steps[-1][label] = (before, after)
+    steps = steps[5:]
+    parts: dict[str, list[float]] = defaultdict(list)
+    for step, nxt in zip(steps, steps[1:]):
+        for label, (before, after) in step.items():
+            parts[label].append(before.elapsed_time(after) * 1e3)
+        if "forward" in step and "forward" in nxt:
+            parts["period"].append(step["forward"][0].elapsed_time(nxt["forward"][0]) * 1e3)
+        if "sample" in step and "forward" in nxt:
+            parts["idle"].append(step["sample"][1].elapsed_time(nxt["forward"][0]) * 1e3)
+    print(f"device, median µs over {len(steps) - 1} steps:")
+    for label, values in parts.items():
+        print(f"  {label:12s} {statistics.median(values):8.0f}  (n={len(values)})")
 
 
 def main() -> None:
@@ -68,6 +115,7 @@ def main() -> None:
     sched, struct = core.scheduler, core.structured
     from asyncllm.sample import ops, sampler
     from asyncllm.worker import model_runner as mr
+    from asyncllm.worker.grammar_handshake import GrammarHandshake
     from asyncllm.worker.input_batch import InputBatch
     from asyncllm.worker.mask_staging import MaskStaging
     from asyncllm.worker.sampling_state import SamplingState
@@ -99,6 +147,13 @@ def main() -> None:
     wrap(runner, "_prepare_inputs", "prepare_inputs")
     wrap(runner, "_run_model", "forward")
     wrap(StepResult, "apply", "result_wait")
+    wrap(GrammarHandshake, "give_tokens", "give_tokens_device")
+    wrap(GrammarHandshake, "wait_for_masks", "wait_for_masks")
+    wrap(core, "_finish_fill", "finish_fill")
+    if torch.cuda.is_available():
+        mark(runner, "_run_model", "forward")
+        mark(GrammarHandshake, "wait_for_masks", "mask_wait")
+        mark(runner, "_sample", "sample")
     encoder = Encoder()
     wrap(encoder, "encode", "encode")
     starts = []
@@ -130,6 +185,8 @@ def main() -> None:
         )
     for a, b, key, n in sorted(rows):
         print(f"{a:8.0f} {b:8.0f} {b - a:7.0f}  {key}  (n={n})")
+    if torch.cuda.is_available():
+        device_report()
     llm.shutdown()
 
 
