@@ -82,12 +82,39 @@ def device_report() -> None:
         print(f"  {label:12s} {statistics.median(values):8.0f}  (n={len(values)})")
 
 
+def kernel_report(core: Any, encoder: Any, steps: int) -> None:
+    """Runs `steps` more steps under torch.profiler and prints each device kernel's and
+    copy's time a step (µs), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            encoder.encode(core.step())
+        torch.cuda.synchronize()
+    rows = [
+        (e.self_device_time_total / steps, e.count / steps, e.key)
+        for e in prof.key_averages()
+        if e.self_device_time_total > 0
+    ]
+    print(f"device time a step over {steps} profiled steps, µs (calls a step):")
+    for t, calls, key in sorted(rows, reverse=True)[:40]:
+        print(f"  {t:8.1f}  ({calls:4.1f})  {key[:110]}")
+    print(f"  {sum(t for t, _, _ in rows):8.1f}  in all")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_engine_args(ap, device="cuda", dtype="bfloat16")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--free", action="store_true", help="no constraint, for comparison")
+    ap.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then N more steps under torch.profiler: the device time of each kernel and copy a step",
+    )
     args = ap.parse_args()
     kwargs = engine_kwargs(args)
     kwargs.setdefault("max_num_seqs", args.batch)
@@ -104,7 +131,7 @@ def main() -> None:
     params = SamplingParams(
         temperature=0.0,
         ignore_eos=True,
-        max_tokens=args.steps + 16,
+        max_tokens=args.steps + args.kernels + 16,
         structured_outputs=None if args.free else StructuredOutputsParams(json=ARRAY_SCHEMA),
     )
     for _ in range(args.batch):
@@ -154,6 +181,9 @@ def main() -> None:
         mark(runner, "_run_model", "forward")
         mark(GrammarHandshake, "wait_for_masks", "mask_wait")
         mark(runner, "_sample", "sample")
+        mark(runner, "_apply_grammar_bitmask", "mask_apply")
+        mark(runner, "_prepare_inputs", "prepare")
+        mark(GrammarHandshake, "give_tokens", "hand_over")
     encoder = Encoder()
     wrap(encoder, "encode", "encode")
     starts = []
@@ -187,6 +217,8 @@ def main() -> None:
         print(f"{a:8.0f} {b:8.0f} {b - a:7.0f}  {key}  (n={n})")
     if torch.cuda.is_available():
         device_report()
+        if args.kernels:
+            kernel_report(core, encoder, args.kernels)
     llm.shutdown()
 
 
