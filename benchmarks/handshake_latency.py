@@ -89,13 +89,14 @@ def main() -> None:
     while int(flags[31]) != 7:  # (the child has mapped the memory)
         time.sleep(0.001)
     x = torch.zeros(64, device="cuda")
+    none = torch.empty(0, dtype=torch.int64, device="cuda")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     base = int(flags[TOKENS_FLAG])
     for i in range(1, n + 1):
         sync = GrammarSync(base + i, [], s.tokens, s.flags)
         x += 1
-        hs.give_tokens(sync, None)
+        hs.give_tokens(sync, none, none)
         hs.wait_for_masks(sync)
     torch.cuda.synchronize()
     per = (time.perf_counter() - t0) / n * 1e6

@@ -101,10 +101,10 @@ class HostHandshake:
     def __init__(self) -> None:
         self.events: list[tuple[str, int]] = []
 
-    def give_tokens(self, sync, tokens) -> None:
+    def give_tokens(self, sync, sampled, rows) -> None:
         self.events.append(("tokens", sync.seq))
-        if tokens is not None and len(tokens):
-            sync.tokens[: len(tokens)] = tokens
+        if len(rows):
+            sync.tokens[: len(rows)] = sampled.index_select(0, rows)
         sync.flags.numpy().view(np.uint32)[TOKENS_FLAG] = sync.seq
 
     def wait_for_masks(self, sync) -> None:
@@ -179,7 +179,7 @@ def test_device_steps_keep_every_constraint_and_match_the_host_steps():
         # as a device behind its queue would be) leaves the tokens to the device: the
         # host sets no flag and writes no -1 over them.
         class QueuedHandshake(HostHandshake):
-            def give_tokens(self, sync, tokens) -> None:
+            def give_tokens(self, sync, sampled, rows) -> None:
                 self.events.append(("queued", sync.seq))
 
         runner._handshake = queued = QueuedHandshake()

@@ -44,13 +44,14 @@ def test_the_device_hands_its_tokens_over_in_stream_order(shared):
         x = torch.full((1024, 1024), 1 / 1024, device="cuda")
         for _ in range(8):  # (work before the tokens: they come after it; x @ x is x)
             x = x @ x
-        tokens = (x[0, :3] * 1024 * seq).round().to(torch.int64) + torch.arange(3, device="cuda")
-        hs.give_tokens(sync, tokens)
+        sampled = (x[0, :5] * 1024 * seq).round().to(torch.int64) + torch.arange(5, device="cuda")
+        hs.give_tokens(sync, sampled, torch.tensor([4, 0, 2], device="cuda"))
         torch.cuda.synchronize()
         assert flag_reached(int(flags[TOKENS_FLAG]), seq)
-        assert shared.tokens[:3].tolist() == [seq, seq + 1, seq + 2]
+        assert shared.tokens[:3].tolist() == [seq + 4, seq, seq + 2]
     sync = GrammarSync(4, [], shared.tokens, shared.flags)
-    hs.give_tokens(sync, None)  # (no tokens ahead: the flag alone)
+    none = torch.empty(0, dtype=torch.int64, device="cuda")
+    hs.give_tokens(sync, none, none)  # (no tokens ahead: the flag alone)
     torch.cuda.synchronize()
     assert int(flags[TOKENS_FLAG]) == 4
 
@@ -76,3 +77,36 @@ def test_the_device_waits_for_a_bitmask_written_after_its_copy_was_queued(shared
     done.synchronize()
     assert torch.equal(seen.cpu(), masks)
     assert torch.equal(rows.cpu(), torch.arange(6))
+
+
+def test_the_forward_runs_on_while_the_bitmask_copy_waits_for_its_flag(shared):
+    """`copy_when_filled`: the wait for the flag and the bitmask's copy are on the
+    handshake's stream; work queued before on the current stream runs meanwhile, work
+    queued after waits for the copy, which reads the bitmask as filled."""
+    staging = MaskStaging(6, torch.device("cuda"))
+    staging.reserve(6, WORDS)
+    hs = GrammarHandshake()
+    flags = shared.flags_np
+    masks = shared.buffers[1][:6]
+    masks.fill_(0)
+    seq = max(int(flags[MASK_FLAG]), int(flags[TOKENS_FLAG])) + 1
+    sync = GrammarSync(seq, ["a"], shared.tokens, shared.flags)
+    sampled = torch.full((2,), 9, dtype=torch.int64, device="cuda")
+    hs.give_tokens(sync, sampled, torch.tensor([1], device="cuda"))
+    x = torch.ones(256, 256, device="cuda")
+    for _ in range(4):
+        x = x @ x / 256  # (the forward: queued before the wait, it need not wait)
+    forward_done = torch.cuda.Event()
+    forward_done.record()
+    hs.copy_when_filled(sync, lambda: staging.copy_direct(masks))
+    seen = staging._dev_masks[:6].clone()  # (queued after: waits for the copy)
+    after = torch.cuda.Event()
+    after.record()
+    forward_done.synchronize()  # (returns although the flag is not set)
+    assert flag_reached(int(flags[TOKENS_FLAG]), seq) and shared.tokens[0] == 9
+    assert not after.query()
+    want = np.random.default_rng(seq).integers(-(2**31), 2**31 - 1, (6, WORDS), dtype=np.int64)
+    masks.copy_(torch.from_numpy(want.astype(np.int32)))
+    flags[MASK_FLAG] = seq
+    after.synchronize()
+    assert torch.equal(seen.cpu(), masks) and torch.equal(x.cpu(), torch.ones(256, 256))

@@ -46,7 +46,7 @@ class MaskStaging:
         self._next = 0
         self._words = 0
         self._dev_masks = self._dev_rows = self._arange = torch.empty(0)
-        # (bitmask address, rows, logits address, logits row stride) -> its graph
+        # (bitmask address (0: copied before), rows, logits address, logits row stride) -> its graph
         self._graphs: dict[tuple[int, int, int, int], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
 
@@ -96,29 +96,40 @@ class MaskStaging:
             slot.copied.record()
         return (self._arange[:n] if in_order else self._dev_rows[:n]), dev_masks, direct
 
-    def apply_graphed(self, masks: torch.Tensor, logits: torch.Tensor) -> bool:
+    def copy_direct(self, masks: torch.Tensor) -> None:
+        """Queues the copy of `masks` (pinned, one row per logits row, in order) to the
+        device buffer that `apply_graphed(copied=True)` masks with."""
+        n, words = masks.shape
+        self.reserve(n, words)
+        self._dev_masks[:n].copy_(masks, non_blocking=True)
+
+    def apply_graphed(
+        self, masks: torch.Tensor, logits: torch.Tensor, copied: bool = False
+    ) -> bool:
         """Masks the rows of `logits` (on the device, at an address that stays: the
         decode graphs' output) with `masks` (pinned, one row per logits row, in order),
-        by replaying a CUDA graph of the copy and the kernel, made at the first use of
-        these addresses and row count (that use runs the two eagerly, which also
-        compiles the kernel, then captures them). `masks` is read by a copy still to
-        run, as on `to_device`'s direct path. False, doing nothing, if `masks` is not
-        pinned (a graph cannot copy from pageable memory)."""
+        by replaying a CUDA graph of the copy and the kernel (`copied`: the kernel
+        alone, `copy_direct` having queued the copy), made at the first use of these
+        addresses and row count (that use runs them eagerly, which also compiles the
+        kernel, then captures them). `masks` is read by a copy still to run, as on
+        `to_device`'s direct path. False, doing nothing, if `masks` is not pinned (a
+        graph cannot copy from pageable memory)."""
         from asyncllm_kernels.bitmask import apply_token_bitmask_
 
         n, words = logits.shape[0], masks.shape[1]
         self.reserve(n, words)
-        key = (masks.data_ptr(), n, logits.data_ptr(), logits.stride(0))
+        key = (0 if copied else masks.data_ptr(), n, logits.data_ptr(), logits.stride(0))
         graph = self._graphs.get(key)
         if graph is not None:
             graph.replay()
             return True
-        if not masks.is_pinned():
+        if not copied and not masks.is_pinned():
             return False
         dev_masks, rows = self._dev_masks[:n], self._arange[:n]
 
         def run() -> None:
-            dev_masks.copy_(masks[:n], non_blocking=True)
+            if not copied:
+                dev_masks.copy_(masks[:n], non_blocking=True)
             apply_token_bitmask_(logits, rows, dev_masks)
 
         run()

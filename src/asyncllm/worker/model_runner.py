@@ -403,14 +403,26 @@ class ModelRunner:
         done = torch.cuda.Event() if self.device.type == "cuda" else None
         # (first: they wait for the device, which a device step's wait below would hold)
         prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)
+        staged = False
         if so.grammar_sync is not None:
             # (the staging's buffers first: making them may wait for the device, which
             # would then wait for this step's masks)
             if self.device.type == "cuda":
                 self._staging().reserve(*so.grammar_bitmask.shape)
             assert self._handshake is not None
-            self._handshake.wait_for_masks(so.grammar_sync)
-        if so.grammar_bitmask is not None and self._apply_grammar_bitmask(so, inputs, logits):
+            if self._masks_graphed(so, inputs, logits):
+                # (the usual device step: the bitmask's copy waits on the handshake's
+                # stream, beside the forward; only the masking kernel waits for it)
+                staging, masks = self._staging(), so.grammar_bitmask
+                self._handshake.copy_when_filled(
+                    so.grammar_sync, lambda: staging.copy_direct(masks)
+                )
+                staged = True
+            else:
+                self._handshake.wait_for_masks(so.grammar_sync)
+        if so.grammar_bitmask is not None and self._apply_grammar_bitmask(
+            so, inputs, logits, staged
+        ):
             # A copy still to run reads the scheduler's bitmask: it writes that buffer
             # again once this step's event has passed, recorded even if the rest fails.
             so.grammar_bitmask_copied = done
@@ -637,9 +649,8 @@ class ModelRunner:
         """Queues the hand-over of the last tokens sampled for a device step's requests
         ahead (their rows on the device already) to the grammar process."""
         k = len(sync.ahead_req_ids)
-        rows = self.buffers.grammar_rows.device[:k]
         assert self._handshake is not None
-        self._handshake.give_tokens(sync, self.last_sampled.index_select(0, rows) if k else None)
+        self._handshake.give_tokens(sync, self.last_sampled, self.buffers.grammar_rows.device[:k])
         sync.given = True
 
     def _metadata(self, T: int, S: int) -> Any:
@@ -710,18 +721,33 @@ class ModelRunner:
                 )
         return out
 
-    def _apply_grammar_bitmask(
-        self, so: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor
-    ) -> bool:
-        """Masks the logits of the structured-output requests that sample this step with
-        their rows of the scheduler's bitmask (on the device); whether the bitmask is
-        read by a copy still to run. Nothing here waits for the device: on CUDA the
-        bitmask is pinned and copied without a sync (MaskStaging)."""
+    @staticmethod
+    def _sampled_ids(inputs: StepInputs) -> list[str]:
         states = inputs.states
         if len(inputs.samples) == len(states):
-            sampled = [s.req_id for s in states]
-        else:
-            sampled = [states[i].req_id for i in inputs.samples]
+            return [s.req_id for s in states]
+        return [states[i].req_id for i in inputs.samples]
+
+    def _masks_graphed(self, so: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor) -> bool:
+        """Whether a device step's masks take the usual way: every constrained row
+        samples, in order, and the logits are a decode graph's (its bitmask, in the
+        manager's shared memory, is pinned)."""
+        return (
+            self.device.type == "cuda"
+            and self.graph_logits is not None
+            and logits.data_ptr() == self.graph_logits.data_ptr()
+            and self._sampled_ids(inputs) == so.structured_req_ids
+        )
+
+    def _apply_grammar_bitmask(
+        self, so: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor, staged: bool = False
+    ) -> bool:
+        """Masks the logits of the structured-output requests that sample this step with
+        their rows of the scheduler's bitmask (on the device; `staged`: the bitmask's
+        copy is queued already, `copy_when_filled`); whether the bitmask is read by a
+        copy still to run. Nothing here waits for the device: on CUDA the bitmask is
+        pinned and copied without a sync (MaskStaging)."""
+        sampled = self._sampled_ids(inputs)
         masks = so.grammar_bitmask
         staging = self._staging() if self.device.type == "cuda" else None
         if sampled == so.structured_req_ids:  # (the usual step: every row, in order)
@@ -729,7 +755,7 @@ class ModelRunner:
                 staging is not None
                 and self.graph_logits is not None
                 and logits.data_ptr() == self.graph_logits.data_ptr()
-                and staging.apply_graphed(masks, logits)
+                and staging.apply_graphed(masks, logits, copied=staged)
             ):
                 return True  # (a decode graph's logits: masked by a graph of its own)
             logit_rows, in_order = list(range(len(sampled))), True
