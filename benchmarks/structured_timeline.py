@@ -75,6 +75,8 @@ def device_report() -> None:
             parts[label].append(before.elapsed_time(after) * 1e3)
         if "forward" in step and "forward" in nxt:
             parts["period"].append(step["forward"][0].elapsed_time(nxt["forward"][0]) * 1e3)
+        if "forward" in step and "mask_apply" in step:  # (the wait for the masks' copy)
+            parts["to_masks"].append(step["forward"][1].elapsed_time(step["mask_apply"][0]) * 1e3)
         if "sample" in step and "forward" in nxt:
             parts["idle"].append(step["sample"][1].elapsed_time(nxt["forward"][0]) * 1e3)
     print(f"device, median µs over {len(steps) - 1} steps:")

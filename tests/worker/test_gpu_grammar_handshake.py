@@ -81,8 +81,9 @@ def test_the_device_waits_for_a_bitmask_written_after_its_copy_was_queued(shared
 
 def test_the_forward_runs_on_while_the_bitmask_copy_waits_for_its_flag(shared):
     """`copy_when_filled`: the wait for the flag and the bitmask's copy are on the
-    handshake's stream; work queued before on the current stream runs meanwhile, work
-    queued after waits for the copy, which reads the bitmask as filled."""
+    handshake's side stream; work queued on the current stream between the hand-over and
+    it runs meanwhile, work queued after waits for the copy, which reads the bitmask as
+    filled."""
     staging = MaskStaging(6, torch.device("cuda"))
     staging.reserve(6, WORDS)
     hs = GrammarHandshake()
@@ -98,7 +99,7 @@ def test_the_forward_runs_on_while_the_bitmask_copy_waits_for_its_flag(shared):
         x = x @ x / 256  # (the forward: queued before the wait, it need not wait)
     forward_done = torch.cuda.Event()
     forward_done.record()
-    hs.copy_when_filled(sync, lambda: staging.copy_direct(masks))
+    hs.copy_when_filled(sync, staging.direct_buffer(6, WORDS), masks)
     seen = staging._dev_masks[:6].clone()  # (queued after: waits for the copy)
     after = torch.cuda.Event()
     after.record()

@@ -1,14 +1,13 @@
-"""The model runner's side of a device step (step_io.GrammarSync), on a side stream of
-its own so the forward never waits for it: with the step's launch, the hand-over of the
-tokens the grammar process needs (their gather, their copy and their flag's write); with
-its sampling, the wait for the bitmask's flag and the bitmask's copy to the device
-(`copy_when_filled`), which the sampling alone waits for. The host waits for none of it
-(asyncllm_kernels/stream_ops.py)."""
+"""The model runner's side of a device step (step_io.GrammarSync). With the step's
+launch it queues the hand-over of the tokens the grammar process needs (their gather,
+their copy and their flag's write); before the sampling, the wait for the bitmask's flag
+and the bitmask's copy to the device go on a side stream of their own
+(`copy_when_filled`), so the forward queued between runs meanwhile and only the masking
+waits for them. The host waits for none of it (asyncllm_kernels/stream_ops.py)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -19,8 +18,9 @@ from asyncllm_kernels import stream_ops
 class GrammarHandshake:
     def __init__(self) -> None:
         self._addresses: dict[int, int] = {}  # host address of the flags -> the device's
-        self._side: torch.cuda.Stream | None = None
-        self._filled: torch.cuda.Event | None = None
+        # (made at the first hand-over: the side stream, and the events that mark the
+        # hand-over on the current stream and the bitmask's copy on the side one)
+        self._side: tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event] | None = None
 
     def _flag(self, sync: GrammarSync, index: int) -> int:
         base = sync.flags.data_ptr()
@@ -29,43 +29,35 @@ class GrammarHandshake:
             address = self._addresses[base] = stream_ops.device_address(base)
         return address + 4 * index
 
-    def _side_stream(self) -> torch.cuda.Stream:
-        if self._side is None:
-            self._side = torch.cuda.Stream()
-            self._filled = torch.cuda.Event()
-        return self._side
-
     def give_tokens(self, sync: GrammarSync, sampled: torch.Tensor, rows: torch.Tensor) -> None:
-        """Queues on the side stream, behind the work queued so far on the current one,
-        the copy of `sampled[rows]` (on the device, one token per
+        """Queues the copy of `sampled[rows]` (on the device, one token per
         `sync.ahead_req_ids`; `rows` may be empty) to the shared tokens, then the write
-        of the tokens flag. Work queued next on the current stream does not wait for it."""
-        side = self._side_stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            if len(rows):
-                sync.tokens[: len(rows)].copy_(sampled.index_select(0, rows), non_blocking=True)
-            stream_ops.write_value(self._flag(sync, TOKENS_FLAG), sync.seq, side)
+        of the tokens flag."""
+        if len(rows):
+            sync.tokens[: len(rows)].copy_(sampled.index_select(0, rows), non_blocking=True)
+        stream_ops.write_value(self._flag(sync, TOKENS_FLAG), sync.seq)
+        if self._side is None:
+            self._side = (torch.cuda.Stream(), torch.cuda.Event(), torch.cuda.Event())
+        self._side[1].record()
 
-    def copy_when_filled(self, sync: GrammarSync, copy: Callable[[], None]) -> None:
-        """Queues on the side stream the wait for the step's bitmask, then `copy` (which
-        queues its copy to the device), and makes the work queued next on the current
-        stream wait for both: the forward queued before goes on meanwhile."""
-        side = self._side_stream()
-        assert self._filled is not None
-        with torch.cuda.stream(side):
-            stream_ops.wait_value(self._flag(sync, MASK_FLAG), sync.seq, side)
-            copy()
-            self._filled.record(side)
-        torch.cuda.current_stream().wait_event(self._filled)
+    def copy_when_filled(self, sync: GrammarSync, dst: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Queues on the side stream, behind the step's hand-over (`give_tokens`, before
+        this on the current stream), the wait for the step's bitmask and then its copy
+        (`bitmask`, pinned) to `dst` on the device; the work queued next on the current
+        stream waits for them, while the forward queued since the hand-over runs on."""
+        if self._side is None:
+            raise RuntimeError("copy_when_filled before any give_tokens")
+        side, handed, filled = self._side
+        side.wait_event(handed)
+        stream_ops.wait_value(self._flag(sync, MASK_FLAG), sync.seq, side)
+        stream_ops.copy_to_device(dst, bitmask, side)
+        filled.record(side)
+        torch.cuda.current_stream().wait_event(filled)
 
     def wait_for_masks(self, sync: GrammarSync) -> None:
         """Queues the current stream's wait for the step's bitmask (the work queued next
-        runs once the grammar process has filled it), behind the hand-over."""
-        current = torch.cuda.current_stream()
-        if self._side is not None:
-            current.wait_stream(self._side)
-        stream_ops.wait_value(self._flag(sync, MASK_FLAG), sync.seq, current)
+        runs once the grammar process has filled it)."""
+        stream_ops.wait_value(self._flag(sync, MASK_FLAG), sync.seq)
 
     def wait_on_host(self, sync: GrammarSync) -> None:
         """Waits here until the grammar process has filled the step's bitmask (its flag;

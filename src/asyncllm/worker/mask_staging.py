@@ -96,12 +96,11 @@ class MaskStaging:
             slot.copied.record()
         return (self._arange[:n] if in_order else self._dev_rows[:n]), dev_masks, direct
 
-    def copy_direct(self, masks: torch.Tensor) -> None:
-        """Queues the copy of `masks` (pinned, one row per logits row, in order) to the
-        device buffer that `apply_graphed(copied=True)` masks with."""
-        n, words = masks.shape
-        self.reserve(n, words)
-        self._dev_masks[:n].copy_(masks, non_blocking=True)
+    def direct_buffer(self, rows: int, words: int) -> torch.Tensor:
+        """The device buffer that `apply_graphed(copied=True)` masks `rows` rows with,
+        for a copy queued elsewhere (contiguous)."""
+        self.reserve(rows, words)
+        return self._dev_masks[:rows]
 
     def apply_graphed(
         self, masks: torch.Tensor, logits: torch.Tensor, copied: bool = False
@@ -109,7 +108,7 @@ class MaskStaging:
         """Masks the rows of `logits` (on the device, at an address that stays: the
         decode graphs' output) with `masks` (pinned, one row per logits row, in order),
         by replaying a CUDA graph of the copy and the kernel (`copied`: the kernel
-        alone, `copy_direct` having queued the copy), made at the first use of these
+        alone: the copy to `direct_buffer` is queued already), made at the first use of these
         addresses and row count (that use runs them eagerly, which also compiles the
         kernel, then captures them). `masks` is read by a copy still to run, as on
         `to_device`'s direct path. False, doing nothing, if `masks` is not pinned (a

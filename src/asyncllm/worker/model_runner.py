@@ -413,10 +413,9 @@ class ModelRunner:
             if self._masks_graphed(so, inputs, logits):
                 # (the usual device step: the bitmask's copy waits on the handshake's
                 # stream, beside the forward; only the masking kernel waits for it)
-                staging, masks = self._staging(), so.grammar_bitmask
-                self._handshake.copy_when_filled(
-                    so.grammar_sync, lambda: staging.copy_direct(masks)
-                )
+                masks = so.grammar_bitmask
+                buffer = self._staging().direct_buffer(*masks.shape)
+                self._handshake.copy_when_filled(so.grammar_sync, buffer, masks)
                 staged = True
             else:
                 self._handshake.wait_for_masks(so.grammar_sync)
