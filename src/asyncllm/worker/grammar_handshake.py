@@ -21,6 +21,7 @@ class GrammarHandshake:
         # (made at the first hand-over: the side stream, and the events that mark the
         # hand-over on the current stream and the bitmask's copy on the side one)
         self._side: tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event] | None = None
+        self._gathered = torch.empty(0, dtype=torch.int64)  # (the tokens handed over)
 
     def _flag(self, sync: GrammarSync, index: int) -> int:
         base = sync.flags.data_ptr()
@@ -33,11 +34,16 @@ class GrammarHandshake:
         """Queues the copy of `sampled[rows]` (on the device, one token per
         `sync.ahead_req_ids`; `rows` may be empty) to the shared tokens, then the write
         of the tokens flag."""
-        if len(rows):
-            sync.tokens[: len(rows)].copy_(sampled.index_select(0, rows), non_blocking=True)
-        stream_ops.write_value(self._flag(sync, TOKENS_FLAG), sync.seq)
         if self._side is None:
             self._side = (torch.cuda.Stream(), torch.cuda.Event(), torch.cuda.Event())
+        k = len(rows)
+        if k:
+            if len(self._gathered) < k or self._gathered.device != sampled.device:
+                self._gathered = torch.empty(len(sampled), dtype=torch.int64, device=sampled.device)
+            gathered = self._gathered[:k]
+            torch.index_select(sampled, 0, rows, out=gathered)
+            stream_ops.copy_to_host(sync.tokens[:k], gathered)
+        stream_ops.write_value(self._flag(sync, TOKENS_FLAG), sync.seq)
         self._side[1].record()
 
     def copy_when_filled(self, sync: GrammarSync, dst: torch.Tensor, bitmask: torch.Tensor) -> None:
