@@ -60,7 +60,7 @@ def mark(obj: Any, name: str, label: str) -> None:
 
 
 def device_report() -> None:
-    """The device's median µs per step: each marked part, and its idle time between
+    """The device's µs per step: each marked part, and its idle time between
     the end of one step's sampling and the start of the next one's forward."""
     torch.cuda.synchronize()
     steps: list[dict[str, tuple[Any, Any]]] = []
@@ -79,9 +79,13 @@ def device_report() -> None:
             parts["to_masks"].append(step["forward"][1].elapsed_time(step["mask_apply"][0]) * 1e3)
         if "sample" in step and "forward" in nxt:
             parts["idle"].append(step["sample"][1].elapsed_time(nxt["forward"][0]) * 1e3)
-    print(f"device, median µs over {len(steps) - 1} steps:")
+    print(f"device, µs over {len(steps) - 1} steps: median, mean, 90th percentile")
     for label, values in parts.items():
-        print(f"  {label:12s} {statistics.median(values):8.0f}  (n={len(values)})")
+        p90 = statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
+        print(
+            f"  {label:12s} {statistics.median(values):8.0f} {statistics.fmean(values):8.0f}"
+            f" {p90:8.0f}  (n={len(values)})"
+        )
 
 
 def kernel_report(core: Any, encoder: Any, steps: int) -> None:
