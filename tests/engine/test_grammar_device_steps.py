@@ -101,7 +101,9 @@ class HostHandshake:
     def __init__(self) -> None:
         self.events: list[tuple[str, int]] = []
 
-    def give_tokens(self, sync, sampled, rows) -> None:
+    def give_tokens(self, sync, sampled, rows, start=None) -> None:
+        if start is not None:  # (the rows are in line: the runner says where they start)
+            assert rows.tolist() == list(range(start, start + len(rows)))
         self.events.append(("tokens", sync.seq))
         if len(rows):
             sync.tokens[: len(rows)] = sampled.index_select(0, rows)
@@ -179,7 +181,7 @@ def test_device_steps_keep_every_constraint_and_match_the_host_steps():
         # as a device behind its queue would be) leaves the tokens to the device: the
         # host sets no flag and writes no -1 over them.
         class QueuedHandshake(HostHandshake):
-            def give_tokens(self, sync, sampled, rows) -> None:
+            def give_tokens(self, sync, sampled, rows, start=None) -> None:
                 self.events.append(("queued", sync.seq))
 
         runner._handshake = queued = QueuedHandshake()

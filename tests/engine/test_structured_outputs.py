@@ -851,3 +851,27 @@ def test_a_step_split_over_threads_fills_and_refuses_as_one_call():
     assert refused_one == refused_three
     assert all(r for r in refused_one)  # (the "x" each step)
     assert bool((one != 0).any(dim=1).all())  # (every row filled)
+
+
+def test_the_frontend_check_builds_each_grammar_once(monkeypatch):
+    """`check` (run for each submitted request) builds a key's grammar once; a key that
+    cannot be enforced is refused every time, with the field named."""
+    from asyncllm.structured import grammar
+
+    built: list = []
+    build = grammar.build_grammar
+
+    def counted(key):
+        built.append(key)
+        return build(key)
+
+    monkeypatch.setattr(grammar, "build_grammar", counted)
+    grammar._check_key.cache_clear()
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    for _ in range(3):
+        grammar.check(StructuredOutputsParams(json=schema))
+    assert len(built) == 1
+    for _ in range(2):
+        with pytest.raises(ValueError, match="structured_outputs.regex"):
+            grammar.check(StructuredOutputsParams(regex="(unclosed"))
+    assert len(built) == 3

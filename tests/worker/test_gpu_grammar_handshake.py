@@ -49,11 +49,21 @@ def test_the_device_hands_its_tokens_over_in_stream_order(shared):
         torch.cuda.synchronize()
         assert flag_reached(int(flags[TOKENS_FLAG]), seq)
         assert shared.tokens[:3].tolist() == [seq + 4, seq, seq + 2]
-    sync = GrammarSync(4, [], shared.tokens, shared.flags)
+    for seq in (5, 6):  # rows in line: the copy and the flag on the side stream
+        sync = GrammarSync(seq, ["a", "b", "c"], shared.tokens, shared.flags)
+        x = torch.full((1024, 1024), 1 / 1024, device="cuda")
+        for _ in range(8):
+            x = x @ x
+        sampled = (x[0, :5] * 1024 * seq).round().to(torch.int64) + torch.arange(5, device="cuda")
+        hs.give_tokens(sync, sampled, torch.tensor([1, 2, 3], device="cuda"), start=1)
+        torch.cuda.synchronize()
+        assert flag_reached(int(flags[TOKENS_FLAG]), seq)
+        assert shared.tokens[:3].tolist() == [seq + 1, seq + 2, seq + 3]
+    sync = GrammarSync(7, [], shared.tokens, shared.flags)
     none = torch.empty(0, dtype=torch.int64, device="cuda")
-    hs.give_tokens(sync, none, none)  # (no tokens ahead: the flag alone)
+    hs.give_tokens(sync, none, none, start=0)  # (no tokens ahead: the flag alone)
     torch.cuda.synchronize()
-    assert int(flags[TOKENS_FLAG]) == 4
+    assert int(flags[TOKENS_FLAG]) == 7
 
 
 def test_the_device_waits_for_a_bitmask_written_after_its_copy_was_queued(shared):

@@ -7,6 +7,7 @@ the field, so no request runs with a constraint that is silently ignored.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
@@ -66,6 +67,12 @@ def build_grammar(key: GrammarKey) -> Any:
 
 
 def check(so: StructuredOutputsParams) -> None:
-    """ValueError unless the constraint is well-formed and xgrammar can enforce it."""
+    """ValueError unless the constraint is well-formed and xgrammar can enforce it (a
+    key that passed is remembered: a batch of requests with one schema builds it once)."""
     so.verify()
-    build_grammar(grammar_key(so))
+    _check_key(grammar_key(so))
+
+
+@functools.lru_cache(maxsize=256)
+def _check_key(key: GrammarKey) -> None:
+    build_grammar(key)  # (a key that fails raises, and is not remembered)

@@ -648,8 +648,13 @@ class ModelRunner:
         """Queues the hand-over of the last tokens sampled for a device step's requests
         ahead (their rows on the device already) to the grammar process."""
         k = len(sync.ahead_req_ids)
+        rows = self.buffers.grammar_rows
+        first, last = (int(rows.np[0]), int(rows.np[k - 1])) if k else (0, -1)
+        in_line = last - first == k - 1 and (k < 3 or bool((np.diff(rows.np[:k]) == 1).all()))
         assert self._handshake is not None
-        self._handshake.give_tokens(sync, self.last_sampled, self.buffers.grammar_rows.device[:k])
+        self._handshake.give_tokens(
+            sync, self.last_sampled, rows.device[:k], first if in_line else None
+        )
         sync.given = True
 
     def _metadata(self, T: int, S: int) -> Any:
