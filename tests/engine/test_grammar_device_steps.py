@@ -6,6 +6,7 @@ the host what the device does (the CUDA stream operations are tested on the GPU)
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -90,6 +91,50 @@ def test_a_device_step_gets_its_tokens_and_sets_its_flag_through_shared_memory()
         with pytest.raises(GrammarProcessError, match="has ended"):
             job.wait()
         assert flag_reached(int(flags[MASK_FLAG]), job.seq) and (bitmask[0] == -1).all()
+    finally:
+        manager.shutdown()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """A process's CPU time (user and system) from /proc."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_a_device_step_waiting_for_its_tokens_does_not_hold_a_core():
+    """The grammar process looks at the tokens flag between short naps. A device step's
+    message comes about a step before its tokens (the device's forward runs meanwhile),
+    so a process that spun would hold a core from the engine's step thread all along:
+    over steps that wait 2 ms each for their tokens it uses a small share of one core."""
+    from transformers import AutoTokenizer
+
+    from asyncllm.model.source import embedded_model_path
+    from asyncllm.structured.manager import StructuredOutputManager
+
+    path = str(embedded_model_path())
+    tok = AutoTokenizer.from_pretrained(path)
+    manager = StructuredOutputManager(path, vocab_size=len(tok), max_rows=2)
+    try:
+        a = manager.request(S(regex=r"[0-9]+"))
+        a.future.result()
+        assert a.ready()  # (its matcher is made with the next message)
+        bitmask = manager.allocate_bitmask(1)
+        tokens, flags = manager.device_buffers()[0], _flags(manager)
+        cpu0 = t0 = 0.0
+        for i in range(160):
+            if i == 10:  # (after the process's start and first steps)
+                process = manager._process
+                assert process is not None
+                cpu0, t0 = _cpu_seconds(process.proc.pid), time.monotonic()
+            job = manager.start_fill(bitmask, [(0, a)], [], [("a", a)], device=True)
+            time.sleep(0.002)  # (the device's forward, before its tokens)
+            assert not flag_reached(int(flags[MASK_FLAG]), job.seq)
+            tokens[:1] = -1  # (the matcher takes none)
+            flags[TOKENS_FLAG] = job.seq
+            assert job.wait() == []
+        share = (_cpu_seconds(process.proc.pid) - cpu0) / (time.monotonic() - t0)
+        assert share < 0.6, f"the waiting grammar process used {share:.0%} of a core"
     finally:
         manager.shutdown()
 
