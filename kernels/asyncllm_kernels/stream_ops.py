@@ -1,6 +1,7 @@
 """CUDA stream memory operations: the device waits for a 32-bit flag in host memory to
 reach a value, or writes one there, in stream order (the driver's cuStreamWaitValue32
-and cuStreamWriteValue32, through ctypes: torch does not expose them).
+and cuStreamWriteValue32, through ctypes: torch does not expose them), and copies
+between pinned host memory and the device as single driver calls on a given stream.
 
 asyncllm's grammar handshake uses them (its structured/grammar_process.py): a constrained
 step's sampling is queued with its forward and waits on the device for the flag the
