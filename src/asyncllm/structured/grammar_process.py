@@ -12,12 +12,12 @@ tokens follow in a "tokens" message once they are in; the process resolves the s
 matchers meanwhile and runs it then (other messages may come between the two). On
 CUDA such a step is a device step (its message carries its number, seq): the device
 itself writes the tokens to the shared memory and sets a flag to seq; the process
-looks at that flag between short naps, runs the step, then sets another flag to seq, which the device
-waits for before it copies the bitmask and samples (step_io.GrammarSync). The
-process fills rows of the two bitmask buffers it shares with the core (a memory-mapped
-file the core opened, passed as a descriptor, as is the tokenizer's information; a row
-whose matcher a stop token ended allows every token) and answers the step with the
-positions of the tokens the grammars refused. A step's accepts and fill are split over
+looks at that flag between short naps, runs the step, then sets another flag to seq,
+which the device waits for before it copies the bitmask and samples
+(step_io.GrammarSync). The process fills rows of the two bitmask buffers it shares
+with the core (a memory-mapped file the core opened, passed as a descriptor, as is the
+tokenizer's information; a row whose matcher a stop token ended allows every token) and
+answers the step with the positions of the tokens the grammars refused. A step's accepts and fill are split over
 THREADS threads of the process (`StepThreads`).
 
 Frames on the pipes: a 4-byte big-endian length, then msgpack. The child's stdin carries
