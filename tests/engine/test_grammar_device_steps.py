@@ -306,3 +306,67 @@ def test_a_device_left_waiting_by_a_lost_grammar_process_is_let_go(monkeypatch):
             job.wait()
     finally:
         manager.shutdown()
+
+
+def test_a_device_step_whose_runner_lacks_a_constrained_request_gathers_on_the_host(
+    monkeypatch,
+):
+    """Two constrained requests join a batch of constrained requests that decode (the
+    step is a device step); the runner cannot take the first of the two, so its masks
+    are not the runner's rows in order. The step waits on the host for its masks
+    (`wait_on_host`), gathers the rows of the requests the runner holds, and each of
+    them keeps its constraint; the lacking request alone fails, and every block comes
+    back."""
+    from asyncllm.errors import RequestFailedError
+
+    regex = r"([0-9]{2}-){6}[0-9]{2}"
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=S(regex=regex))
+
+    class OnHost(HostHandshake):
+        def wait_on_host(self, sync) -> None:
+            self.events.append(("on host", sync.seq))
+            super().wait_on_host(sync)
+
+    letters = params.clone(structured_outputs=S(regex=r"[a-z]{30}"))
+    with LLM(device="cpu", max_model_len=256, multiprocess=False) as llm:
+        core, engine = llm.engine.client.core, llm.engine
+        runner = core.executor.worker.runner
+        for p in (params, letters):  # (both grammars compiled: no request waits for one)
+            llm.generate([PROMPT], p.clone(max_tokens=1), use_tqdm=False)
+        core._device_steps = True
+        runner._handshake = handshake = OnHost()
+        check = runner._check_new_request
+
+        def refuse_bad(new) -> None:
+            if new.req_id == "bad":
+                raise ValueError("refused by the test")
+            check(new)
+
+        monkeypatch.setattr(runner, "_check_new_request", refuse_bad)
+        for rid in ("a", "b"):
+            engine.add_request(rid, PROMPT, params)
+        texts: dict[str, str] = {}
+        failed: list[str] = []
+
+        def step() -> None:
+            try:
+                for out in engine.step():
+                    if out.finished:
+                        texts[out.request_id] = out.outputs[0].text
+            except RequestFailedError as e:
+                failed.append(str(e))
+
+        for _ in range(3):  # (a and b decode, a token in flight each step)
+            step()
+        assert not texts and ("tokens", core.structured._seq) in handshake.events
+        # (admitted in one step, in this order; bad's row would let c write letters)
+        engine.add_request("bad", PROMPT, letters)
+        engine.add_request("c", PROMPT, params)
+        while engine.has_unfinished_requests():
+            step()
+        assert any(kind == "on host" for kind, _ in handshake.events)
+        assert len(failed) == 1 and "could not take it" in failed[0], failed
+        assert sorted(texts) == ["a", "b", "c"]
+        for text in texts.values():
+            assert re.fullmatch(regex, text), text
+        _idle(llm)
