@@ -17,8 +17,8 @@ which the device waits for before it copies the bitmask and samples
 (step_io.GrammarSync). The process fills rows of the two bitmask buffers it shares
 with the core (a memory-mapped file the core opened, passed as a descriptor, as is the
 tokenizer's information; a row whose matcher a stop token ended allows every token) and
-answers the step with the positions of the tokens the grammars refused. A step's accepts and fill are split over
-THREADS threads of the process (`StepThreads`).
+answers the step with the positions of the tokens the grammars refused. A step's
+accepts and fill are split over THREADS threads of the process (`StepThreads`).
 
 Frames on the pipes: a 4-byte big-endian length, then msgpack. The child's stdin carries
 the core's messages; its real stdout (stdout itself is pointed at stderr) carries one

@@ -732,14 +732,17 @@ class ModelRunner:
             return [s.req_id for s in states]
         return [states[i].req_id for i in inputs.samples]
 
+    def _logits_graphed(self, logits: torch.Tensor) -> bool:
+        """Whether `logits` are the decode graphs' output (an address that stays)."""
+        return self.graph_logits is not None and logits.data_ptr() == self.graph_logits.data_ptr()
+
     def _masks_graphed(self, so: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor) -> bool:
         """Whether a device step's masks take the usual way: every constrained row
         samples, in order, and the logits are a decode graph's (its bitmask, in the
         manager's shared memory, is pinned)."""
         return (
             self.device.type == "cuda"
-            and self.graph_logits is not None
-            and logits.data_ptr() == self.graph_logits.data_ptr()
+            and self._logits_graphed(logits)
             and self._sampled_ids(inputs) == so.structured_req_ids
         )
 
@@ -751,15 +754,16 @@ class ModelRunner:
         copy is queued already, `copy_when_filled`); whether the bitmask is read by a
         copy still to run. Nothing here waits for the device: on CUDA the bitmask is
         pinned and copied without a sync (MaskStaging)."""
-        sampled = self._sampled_ids(inputs)
         masks = so.grammar_bitmask
+        if staged:  # (`_masks_graphed` said so: the usual step, its copy queued)
+            return self._staging().apply_graphed(masks, logits, copied=True)
+        sampled = self._sampled_ids(inputs)
         staging = self._staging() if self.device.type == "cuda" else None
         if sampled == so.structured_req_ids:  # (the usual step: every row, in order)
             if (
                 staging is not None
-                and self.graph_logits is not None
-                and logits.data_ptr() == self.graph_logits.data_ptr()
-                and staging.apply_graphed(masks, logits, copied=staged)
+                and self._logits_graphed(logits)
+                and staging.apply_graphed(masks, logits)
             ):
                 return True  # (a decode graph's logits: masked by a graph of its own)
             logit_rows, in_order = list(range(len(sampled))), True
