@@ -1,12 +1,13 @@
-"""The grammar-mask kernel against its torch reference (and both against a plain loop
-over the bits): rows in any order, a subset of the logits' rows, a vocabulary that is
-not a multiple of 32 and one wider than the bitmask."""
+"""The grammar-mask kernel and the CPU path against their torch reference (and all
+against a plain loop over the bits): rows in any order, a subset of the logits' rows, a
+vocabulary that is not a multiple of 32, one wider and one narrower than the bitmask."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from asyncllm.sample.ops import apply_token_bitmask_cpu
 from asyncllm_kernels.bitmask import apply_token_bitmask_
 from asyncllm_kernels.reference import apply_token_bitmask_ref
 
@@ -42,6 +43,26 @@ def test_the_kernel_masks_what_the_reference_and_a_loop_mask(rows, vocab, words)
     assert torch.equal(got.cpu(), ref.cpu())
     assert torch.equal(got.cpu(), _by_loop(logits, target, bitmask))
     assert bool(torch.isinf(got).any()) and bool(torch.isfinite(got).any())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,vocab,words", [(1, 64, 2), (3, 1100, 35), (4, 2100, 60), (2, 40, 2)])
+def test_the_cpu_path_masks_what_the_reference_and_a_loop_mask(rows, vocab, words, dtype):
+    logits, target, bitmask = _case(rows, vocab, words, dtype, "cpu")
+    logits[0, :3] = torch.tensor([float("inf"), float("-inf"), 0.0], dtype=dtype)
+    in_line = torch.arange(1, rows + 1)  # (a run of rows: masked where they lie)
+    for where in (target, in_line):
+        got, ref = logits.clone(), logits.clone()
+        apply_token_bitmask_cpu(got, where, bitmask)
+        apply_token_bitmask_ref(ref, where, bitmask)
+        assert torch.equal(got, ref)
+        assert torch.equal(got, _by_loop(logits, where, bitmask))
+        untouched = [r for r in range(rows + 2) if r not in where.tolist()]
+        assert torch.equal(got[untouched], logits[untouched])
+    with pytest.raises(TypeError, match="int32"):
+        apply_token_bitmask_cpu(logits, target, bitmask.to(torch.int64))
+    with pytest.raises(ValueError, match="rows"):
+        apply_token_bitmask_cpu(logits, target[:-1], bitmask)
 
 
 def test_bad_shapes_and_dtypes_are_refused():
