@@ -496,6 +496,7 @@ def test_bad_tools_and_formats_are_400s_naming_the_field(server):
         ({"tools": [CALC], "tool_choice": {"type": "function", "function": {"name": "x"}}},
          "tool_choice"),
         ({"tools": [CALC], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [CALC], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
         ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},

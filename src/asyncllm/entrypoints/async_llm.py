@@ -40,7 +40,7 @@ from asyncllm.engine.tokenizer_process import ProcessTokenizer
 from asyncllm.entrypoints.setup_batch import SetupThread
 from asyncllm.errors import EngineDeadError, EngineStartupError
 from asyncllm.frontend.chat import Messages
-from asyncllm.frontend.chat_tools import tools_and_constraint, with_tool_choice
+from asyncllm.frontend.chat_tools import tool_names, tools_and_constraint, with_tool_choice
 from asyncllm.frontend.collector import RequestOutputCollector
 from asyncllm.frontend.frontend import Frontend
 from asyncllm.frontend.input_processor import PromptType
@@ -294,6 +294,7 @@ class AsyncLLM:
         prompt = await self.render_chat(
             messages, add_generation_prompt, chat_template_kwargs, rendered
         )
+        names = None if rendered is None else tool_names(rendered)
         texts: dict[int, str] = {}  # each completion's whole text so far
         delta = sampling_params is not None and (
             sampling_params.output_kind == RequestOutputKind.DELTA
@@ -304,7 +305,7 @@ class AsyncLLM:
                     texts[c.index] = texts.get(c.index, "") + c.text if delta else c.text
                 if out.finished:
                     for c in out.outputs:
-                        content, calls = parse_tool_calls(texts[c.index])
+                        content, calls = parse_tool_calls(texts[c.index], names)
                         if calls:
                             c.tool_calls = calls
                             if not delta:

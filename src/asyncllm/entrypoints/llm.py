@@ -156,7 +156,7 @@ class LLM:
             for conv in as_conversations(messages)
         ]
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-        return [attach_tool_calls(o) for o in outs] if rendered is not None else outs
+        return [attach_tool_calls(o, rendered) for o in outs] if rendered is not None else outs
 
     def get_stats(self) -> dict[str, Any]:
         """Running/waiting requests, KV usage, prefix-cache hit rate, preemptions and

@@ -7,7 +7,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from asyncllm.frontend.chat_tools import check_tools, tools_template_kwargs
+from asyncllm.frontend.chat_tools import check_tools, tool_turns_for_template, tools_template_kwargs
 
 Messages = list[dict[str, Any]]
 
@@ -41,11 +41,11 @@ def check_conversation(conv: Any) -> None:
         role = m.get("role")
         if role not in ROLES:
             raise ValueError(f"messages[{i}]['role'] must be one of {ROLES}, got {role!r}")
+        content = m.get("content")
+        if content is None and role == "assistant" and m.get("tool_calls"):
+            continue  # (a turn that only calls tools: its content may be None or absent)
         if "content" not in m:
             raise ValueError(f"messages[{i}] has no 'content'")
-        content = m["content"]
-        if content is None and role == "assistant" and m.get("tool_calls"):
-            continue
         if not isinstance(content, str | list):
             raise TypeError(
                 f"messages[{i}]['content'] must be a str or a list of parts, "
@@ -72,7 +72,7 @@ def render_chat(
     )
     try:
         ids = tokenizer.apply_chat_template(
-            list(messages),
+            tool_turns_for_template(list(messages)),
             add_generation_prompt=add_generation_prompt,
             tokenize=True,
             **(chat_template_kwargs or {}),

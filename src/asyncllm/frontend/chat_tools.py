@@ -4,6 +4,7 @@ calls tools), the constraint that forces a call, and the parsed calls on the out
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from asyncllm.frontend.tool_calls import parse_tool_calls
@@ -73,6 +74,34 @@ def _call_schema(fn: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+_DEFS = ("$defs", "definitions")  # (where a schema keeps what its "#/..." refs name)
+
+
+def _forced_call_schema(fns: list[dict[str, Any]]) -> dict[str, Any]:
+    """One call to any of `fns`, as plain JSON. Each tool's parameters sit under the
+    call's `arguments`, so the definitions they refer to from their root (`$defs`,
+    `definitions`: `#/$defs/...`) move up to the root of this schema, shared; ValueError
+    if two tools define one name differently."""
+    shared: dict[str, dict[str, Any]] = {}
+    schemas = []
+    for fn in fns:
+        params = fn.get("parameters") or {}
+        if any(key in params for key in _DEFS):
+            params = dict(params)
+            for key in _DEFS:
+                for name, definition in (params.pop(key, None) or {}).items():
+                    known = shared.setdefault(key, {}).setdefault(name, definition)
+                    if known != definition:
+                        raise ValueError(
+                            f"tools: {fn['name']!r} and another tool define "
+                            f"{key}/{name} differently; a forced call needs them alike"
+                        )
+            fn = {**fn, "parameters": params}
+        schemas.append(_call_schema(fn))
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return {**schema, **shared}
+
+
 def tool_choice_constraint(tools: Tools, tool_choice: Any) -> StructuredOutputsParams | None:
     """The constraint that `tool_choice` puts on the answer: none for 'auto' and 'none';
     for 'required', one call (plain JSON) to any of the tools; for a named function
@@ -92,9 +121,7 @@ def tool_choice_constraint(tools: Tools, tool_choice: Any) -> StructuredOutputsP
             "tool_choice must be 'auto', 'none', 'required' or "
             f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}"
         )
-    schemas = [_call_schema(f) for f in chosen]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    return StructuredOutputsParams(json=schema)
+    return StructuredOutputsParams(json=_forced_call_schema(chosen))
 
 
 def tools_and_constraint(
@@ -103,6 +130,8 @@ def tools_and_constraint(
     """(the tools the chat template renders: None without tools or with tool_choice
     'none'; the constraint a forced call puts on the answer), `tools` checked."""
     if tools is None:
+        if tool_choice not in (None, "auto", "none"):
+            raise ValueError(f"tool_choice={tool_choice!r} needs tools")
         return None, None
     tools = check_tools(tools)
     constraint = tool_choice_constraint(tools, tool_choice)
@@ -136,7 +165,7 @@ def template_uses_tools(tokenizer: Any) -> bool:
     template = getattr(tokenizer, "chat_template", None)
     if template not in _USES_TOOLS:
         probe_tool = {"type": "function", "function": {"name": "probe_fn_x7", "parameters": {}}}
-        call = {"type": "function", "function": {"name": "probe_fn_x7", "arguments": "{}"}}
+        call = {"type": "function", "function": {"name": "probe_fn_x7", "arguments": {}}}
         conv = [
             {"role": "user", "content": "hi"},
             {"role": "assistant", "content": None, "tool_calls": [call]},
@@ -149,6 +178,38 @@ def template_uses_tools(tokenizer: Any) -> bool:
             uses = False
         _USES_TOOLS[template] = uses
     return _USES_TOOLS[template]
+
+
+def tool_turns_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation as chat templates expect its assistant turns that call tools:
+    `content` None where it is left out, and each call's `arguments` given as a JSON
+    string (OpenAI's form) decoded to its object (templates render it with `tojson`: a
+    string would come out quoted, escapes and all). The caller's messages are not
+    changed; arguments that are not a JSON object stay as they are."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        if isinstance(calls, list) and calls:
+            m = {**m, "content": m.get("content"), "tool_calls": [_decoded_call(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _string_arguments(call: Any) -> bool:
+    fn = call.get("function") if isinstance(call, dict) else None
+    return isinstance(fn, dict) and isinstance(fn.get("arguments"), str)
+
+
+def _decoded_call(call: Any) -> Any:
+    if not _string_arguments(call):
+        return call
+    try:
+        args = json.loads(call["function"]["arguments"])
+    except (ValueError, RecursionError):
+        return call
+    if not isinstance(args, dict):
+        return call
+    return {**call, "function": {**call["function"], "arguments": args}}
 
 
 def has_tool_turns(messages: list[dict[str, Any]]) -> bool:
@@ -174,11 +235,17 @@ def tools_template_kwargs(
     return kwargs
 
 
-def attach_tool_calls(out: RequestOutput) -> RequestOutput:
-    """Parses each completion's text for tool calls: where there are some, `tool_calls`
-    holds them and `text` what is left."""
+def tool_names(tools: Tools) -> frozenset[str]:
+    """The names of `tools` (checked ones): a plain JSON answer is a call only to one."""
+    return frozenset(t["function"]["name"] for t in tools)
+
+
+def attach_tool_calls(out: RequestOutput, tools: Tools) -> RequestOutput:
+    """Parses each completion's text for calls to `tools`: where there are some,
+    `tool_calls` holds them and `text` what is left."""
+    names = tool_names(tools)
     for c in out.outputs:
-        content, calls = parse_tool_calls(c.text)
+        content, calls = parse_tool_calls(c.text, names)
         if calls:
             c.text, c.tool_calls = content, calls
     return out

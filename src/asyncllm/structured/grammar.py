@@ -40,7 +40,11 @@ def grammar_key(so: StructuredOutputsParams) -> GrammarKey:
     if so.regex is not None:
         return ("regex", so.regex, False)
     if so.choice is not None:
-        return ("grammar", "root ::= " + " | ".join(json.dumps(c) for c in so.choice), False)
+        return (
+            "grammar",
+            "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice),
+            False,
+        )
     if so.grammar is not None:
         return ("grammar", so.grammar, False)
     return ("json_object", "", ws)

@@ -132,13 +132,11 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         body = await self._body(request)
         params, opts = sampling_params(body, chat=True)
-        tools, opts.tool_choice, constraint = chat_tools(body)
+        tools, constraint = chat_tools(body, opts)  # (no tools rendered: only content)
         try:
             params = with_tool_choice(params, constraint) or params
         except ValueError as e:
             raise OpenAIError(str(e), param="tool_choice") from None
-        if tools is None:
-            opts.tool_choice = None  # (no tools rendered: the answer is only content)
         messages = chat_messages(body)
         kwargs = body.get("chat_template_kwargs")
         try:
@@ -175,7 +173,8 @@ class OpenAIServer:
                 calls: list[ToolCall] = []
                 content = c.text
                 if chat and opts.tool_choice is not None:
-                    content, calls = parse_tool_calls(c.text)
+                    content, calls = parse_tool_calls(c.text, opts.tool_names)
+                    calls = calls if opts.parallel_tool_calls else calls[:1]
                     reason = R.tool_finish_reason(reason, calls, opts.tool_choice)
                 self.finished[reason or "abort"] += 1
                 choice: dict[str, Any] = {"index": i * n + c.index, "finish_reason": reason}
@@ -229,10 +228,11 @@ class OpenAIServer:
                 content = c.text
                 calls: list[ToolCall] = []
                 if chat and opts.tool_choice is not None:
-                    splitter = splitters.setdefault(index, ToolCallStream())
+                    splitter = splitters.setdefault(index, ToolCallStream(opts.tool_names))
                     content = splitter.feed(c.text)
                     if reason is not None:
                         rest, calls = splitter.finish()
+                        calls = calls if opts.parallel_tool_calls else calls[:1]
                         content += rest
                         reason = R.tool_finish_reason(reason, calls, opts.tool_choice)
                 if reason is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from asyncllm.frontend.chat_tools import Tools, tools_and_constraint
+from asyncllm.frontend.chat_tools import Tools, tool_names, tools_and_constraint
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
@@ -102,6 +102,10 @@ class Options:
     include_usage: bool
     logprobs: int | None  # top-n per position (0: the sampled token only), None: none
     tool_choice: Any = None  # chat with tools rendered: 'auto', 'required' or a function
+    tool_names: frozenset[str] = (
+        frozenset()
+    )  # (theirs: a plain JSON answer naming another is no call)
+    parallel_tool_calls: bool = True  # (False: an answer's first call only, as vLLM)
 
 
 _STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
@@ -137,20 +141,27 @@ def structured_outputs(body: dict[str, Any]) -> StructuredOutputsParams | None:
     raise _bad("response_format", "type must be 'text', 'json_object' or 'json_schema'")
 
 
-def chat_tools(body: dict[str, Any]) -> tuple[Tools | None, Any, StructuredOutputsParams | None]:
-    """`tools` and `tool_choice` (default 'auto' with tools, 'none' without): (the tools
-    the template renders, the choice, the constraint of a forced call)."""
+def chat_tools(
+    body: dict[str, Any], opts: Options
+) -> tuple[Tools | None, StructuredOutputsParams | None]:
+    """`tools`, `tool_choice` (default 'auto' with tools, 'none' without) and
+    `parallel_tool_calls` (default true), set on `opts` where tools are rendered: (the
+    tools the template renders, the constraint of a forced call)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if choice is None:
         choice = "auto" if tools is not None else "none"
     if tools is None and choice != "none":
         raise _bad("tool_choice", "needs tools")
+    parallel = _bool(body, "parallel_tool_calls", True)
     try:
         rendered, constraint = tools_and_constraint(tools, choice)
     except (ValueError, TypeError) as e:
         param = "tools" if str(e).startswith("tools") else "tool_choice"
         raise OpenAIError(str(e), param=param) from None
-    return rendered, choice, constraint
+    if rendered is not None:
+        opts.tool_choice, opts.tool_names = choice, tool_names(rendered)
+        opts.parallel_tool_calls = parallel
+    return rendered, constraint
 
 
 def sampling_params(body: dict[str, Any], chat: bool) -> tuple[SamplingParams, Options]:
