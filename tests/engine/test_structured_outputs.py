@@ -535,6 +535,85 @@ def test_matchers_accept_a_steps_tokens_at_once_and_name_each_refused_one():
         manager.shutdown()
 
 
+def test_the_matchers_of_ended_requests_are_freed_in_the_grammar_process():
+    """A request's matcher is let go in the grammar process once the request is gone
+    (its id goes with the next message), whatever steps were sent meanwhile."""
+    import copy
+    import gc
+
+    from transformers import AutoTokenizer
+
+    from asyncllm.model.source import embedded_model_path
+    from asyncllm.structured.manager import StructuredOutputManager
+
+    path = str(embedded_model_path())
+    manager = StructuredOutputManager(path, vocab_size=len(AutoTokenizer.from_pretrained(path)))
+    sent: list = []
+    try:
+        made: list[int] = []
+        for _ in range(3):  # (requests made, stepped and dropped, over several steps)
+            reqs = [manager.request(S(regex=r"[0-9]+")) for _ in range(4)]
+            reqs[0].future.result()
+            assert all(r.ready() for r in reqs)
+            made += [r.matcher_id for r in reqs]
+            if not sent:
+                process = manager._get_process()
+                send = process.send
+                process.send = lambda msg, send=send: (sent.append(copy.deepcopy(msg)), send(msg))[
+                    1
+                ]
+            bitmask = manager.allocate_bitmask(4)
+            manager.start_fill(bitmask, list(enumerate(reqs)), []).wait()
+            del reqs
+            gc.collect()
+        manager.start_fill(
+            manager.allocate_bitmask(1), [], [("x", manager.request(S(regex="a")), 0)]
+        )
+        freed = [mid for msg in sent if msg[0] == "matchers" for mid in msg[2]]
+        assert sorted(freed) == sorted(made)
+    finally:
+        manager.shutdown()
+
+
+def test_after_an_answer_times_out_no_later_answer_is_read_as_another_steps():
+    """An answer that did not come in time fails its step and every step sent after it
+    (a late answer would be read as the next step's); the manager's caller resets once:
+    each failed step says it is news until then, and stale after."""
+    from transformers import AutoTokenizer
+
+    from asyncllm.model.source import embedded_model_path
+    from asyncllm.structured.grammar_process import GrammarProcessError
+    from asyncllm.structured.manager import StructuredOutputManager
+
+    path = str(embedded_model_path())
+    manager = StructuredOutputManager(path, vocab_size=len(AutoTokenizer.from_pretrained(path)))
+    try:
+        req = manager.request(S(regex=r"[0-9]+"))
+        req.future.result()
+        assert req.ready()
+        process = manager._get_process()
+        answer, calls = process.answer, []
+
+        def late_once(timeout=None):
+            calls.append(timeout)
+            if len(calls) == 1:  # (the answer is on its way, but too late)
+                raise GrammarProcessError("the grammar process has not answered in 60 s")
+            return answer(timeout)
+
+        process.answer = late_once
+        first = manager.start_fill(manager.allocate_bitmask(1), [(0, req)], [])
+        second = manager.start_fill(manager.allocate_bitmask(1), [(0, req)], [])
+        with pytest.raises(GrammarProcessError, match="not answered"):
+            second.wait()
+        with pytest.raises(GrammarProcessError, match="not answered"):
+            first.wait()
+        assert len(calls) == 1 and not first.stale and not second.stale
+        manager.reset()
+        assert first.stale and second.stale
+    finally:
+        manager.shutdown()
+
+
 def test_a_step_sent_before_its_tokens_waits_for_them_in_the_grammar_process():
     """A step sent with `ahead` accepts (the engine sends it before the tokens of the
     step in flight are known) runs once `give_tokens` brings them: they are accepted

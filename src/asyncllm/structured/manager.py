@@ -87,7 +87,7 @@ class FillJob:
         "_error",
         "_done",
         "ahead_keys",
-        "stale",
+        "_sent_to",
         "seq",
         "sent_at",
     )
@@ -108,9 +108,15 @@ class FillJob:
         self._done = manager is None
         # The keys of the accepts whose tokens are still to come (None: none are).
         self.ahead_keys = ahead_keys
-        # Failed by `reset` (its process was already lost and its requests ended): its
-        # error is not news of the process the manager has now.
-        self.stale = False
+        # The grammar process it was sent to (see `stale`)
+        self._sent_to = None if manager is None else manager._process
+
+    @property
+    def stale(self) -> bool:
+        """Whether the process it was sent to is no longer the manager's: that loss was
+        dealt with (`reset`, its requests ended), so its error is not news of the
+        process the manager has now (perhaps a new one, with new requests)."""
+        return self._manager is not None and self._manager._process is not self._sent_to
 
     def give_tokens(self, tokens: list[list[int]]) -> None:
         """The tokens of the `ahead` accepts, in their order (an empty list: that
@@ -136,10 +142,10 @@ class FillJob:
             assert self._manager is not None
             self._manager._release_tokens(self.seq)
 
-    def _fail(self, error: BaseException, stale: bool = False) -> None:
+    def _fail(self, error: BaseException) -> None:
         """Ends the job with `error`; its bitmask's rows (perhaps half written, or never)
         then allow every token, and a device waiting for them goes on."""
-        self._done, self._error, self.stale, self.ahead_keys = True, error, stale, None
+        self._done, self._error, self.ahead_keys = True, error, None
         if self._bitmask is not None:
             self._bitmask.fill_(-1)
         if self.seq:
@@ -238,7 +244,9 @@ class StructuredOutputManager:
         self._grammar_ids: dict[GrammarKey, int] = {}
         self._next_matcher = 0
         self._new_matchers: list[list[int]] = []  # [matcher id, grammar id], to send
-        self._freed: list[int] = []  # matchers let go, to send
+        # Matchers let go, to send: one list for good (each request's finalizer appends
+        # to it, on whatever thread drops the request; `_take_freed` drains it in place).
+        self._freed: list[int] = []
         self._pending: deque[FillJob] = deque()  # the steps sent whose answers are unread
         self._seq = 1  # the last device step's number (the flags start at 1)
         self._watchdog: threading.Thread | None = None  # (started by the first device job)
@@ -330,8 +338,17 @@ class StructuredOutputManager:
         weakref.finalize(req, self._freed.append, mid)
         return mid
 
+    def _take_freed(self) -> list[int]:
+        """The matchers let go since the last call (a finalizer may append meanwhile:
+        only what was copied is removed)."""
+        freed = self._freed[:]
+        del self._freed[: len(freed)]
+        return freed
+
     def _answer(self, job: FillJob) -> None:
-        """Reads the answers up to `job`'s (the steps are answered in order)."""
+        """Reads the answers up to `job`'s (the steps are answered in order). If one
+        fails (the process ended, or an answer timed out: a late one would then be
+        read as the next step's), every step sent fails with it; the caller resets."""
         while not job._done:
             pending = self._pending.popleft()
             assert self._process is not None and pending.ahead_keys is None
@@ -341,6 +358,8 @@ class StructuredOutputManager:
                 pending._refused = [pending._keys[i] for i in refused]
             except GrammarProcessError as e:
                 pending._fail(e)
+                while self._pending:
+                    self._pending.popleft()._fail(e)
 
     @property
     def device_steps(self) -> bool:
@@ -434,7 +453,7 @@ class StructuredOutputManager:
         process = self._get_process()
         if self._new_matchers or self._freed:
             new, self._new_matchers = self._new_matchers, []
-            freed, self._freed = self._freed, []
+            freed = self._take_freed()
             process.send(["matchers", new, freed])
         k = 0
         if rows:
@@ -467,10 +486,11 @@ class StructuredOutputManager:
             if process is not None:
                 process.close(kill=True)
             for job in self._pending:
-                job._fail(GrammarProcessError("the grammar process was stopped"), stale=True)
+                job._fail(GrammarProcessError("the grammar process was stopped"))
             self._pending.clear()
         self._grammar_ids.clear()
-        self._new_matchers, self._freed = [], []
+        self._new_matchers = []
+        self._take_freed()  # (they lived in the process that is gone)
 
     def accept(self, accepts: Accepts) -> list[Any]:
         """Advances the matchers by `accepts`, in order, and waits; returns the keys of
