@@ -172,6 +172,22 @@ def test_max_tokens_still_ends_early(engine):
     assert c.finish_reason == "length" and len(c.token_ids) == 3
 
 
+def test_min_tokens_yields_to_a_grammar_at_its_end(engine):
+    """A grammar that is complete allows only its end: min_tokens, which blocks the end
+    tokens, then leaves nothing, and the row stops rather than draw a token at random
+    (which the grammar would refuse). Before the grammar's end, min_tokens holds."""
+    short = [
+        SamplingParams(max_tokens=12, min_tokens=6, temperature=t, seed=3, structured_outputs=S(choice=["yes", "no"]))
+        for t in (0.0, 1.0)
+    ]  # fmt: skip
+    free = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+    outs = engine.generate([PROMPT] * 3, [*short, free], use_tqdm=False)
+    for out in outs[:2]:
+        c = out.outputs[0]
+        assert c.text in ("yes", "no") and c.finish_reason == "stop", (c.text, c.finish_reason)
+    assert len(outs[2].outputs[0].token_ids) == 8
+
+
 def test_bad_constraints_fail_alone_and_the_engine_serves_on(engine):
     for so, field in [
         (S(regex="(unclosed"), "regex"),
@@ -575,6 +591,51 @@ def test_the_matchers_of_ended_requests_are_freed_in_the_grammar_process():
         manager.shutdown()
 
 
+def test_compiled_grammars_are_kept_up_to_a_bound_and_matchers_outlive_them(monkeypatch):
+    """The compiled grammars are an LRU of GRAMMAR_CACHE keys, here and in the grammar
+    process: an evicted grammar is dropped there, its matchers still fill, and a request
+    for its key again compiles it again."""
+    import copy
+
+    from transformers import AutoTokenizer
+
+    from asyncllm.model.source import embedded_model_path
+    from asyncllm.structured import manager as manager_module
+
+    monkeypatch.setattr(manager_module, "GRAMMAR_CACHE", 2)
+    path = str(embedded_model_path())
+    tok = AutoTokenizer.from_pretrained(path)
+    manager = manager_module.StructuredOutputManager(path, vocab_size=len(tok))
+    sent: list = []
+    try:
+        first = manager.request(S(regex=r"[0-9]+"))
+        first.future.result()
+        assert first.ready()
+        process = manager._get_process()
+        send = process.send
+        process.send = lambda msg: (sent.append(copy.deepcopy(msg)), send(msg))[1]
+        for pattern in (r"[a-z]+", r"[A-Z]+", r"[0-9]+"):  # (the first is evicted, then back)
+            req = manager.request(S(regex=pattern))
+            req.future.result()
+            assert req.ready()
+        assert len(manager._cache) == 2 and req.future is not first.future
+        bitmask = manager.allocate_bitmask(2)
+        (seven,), (x,) = tok.encode("7"), tok.encode("x")
+        job = manager.start_fill(bitmask, [(0, first), (1, req)], [("f", first, seven)])
+        assert job.wait() == []
+        (matchers,) = [m for m in sent if m[0] == "matchers"]
+        assert matchers[3] == [0, 1]  # ([0-9]+ then [a-z]+ evicted: dropped there)
+        assert [m[1] for m in sent if m[0] == "grammar"] == [1, 2, 3]  # ([0-9]+ sent anew)
+        assert [(int(bitmask[i, t // 32]) >> (t % 32)) & 1 for i in (0, 1) for t in (seven, x)] == [
+            1,
+            0,
+            1,
+            0,
+        ]
+    finally:
+        manager.shutdown()
+
+
 def test_after_an_answer_times_out_no_later_answer_is_read_as_another_steps():
     """An answer that did not come in time fails its step and every step sent after it
     (a late answer would be read as the next step's); the manager's caller resets once:
@@ -853,7 +914,9 @@ def _decoded(llm: LLM, outs: list) -> str:
 def test_an_interrupt_while_a_fill_waits_for_its_tokens_leaves_the_grammar_process_free():
     """A KeyboardInterrupt (or any error) in a step between a fill's message and its
     tokens: the grammar process is given no tokens for it (rather than waiting for them
-    for good), so the next fill goes through."""
+    for good), so the next fill goes through; the step scheduled but never launched is
+    retired in the scheduler (its blocks come back, no step stays in flight there), and
+    the engine serves on."""
     with LLM(device="cpu", max_model_len=256, multiprocess=False) as llm:
         core = llm.engine.client.core
         manager, scheduler = core.structured, core.scheduler
@@ -880,6 +943,53 @@ def test_an_interrupt_while_a_fill_waits_for_its_tokens_leaves_the_grammar_proce
         bitmask = manager.allocate_bitmask(1)
         manager.fill_bitmask(bitmask, [(0, req)])  # (answered: the process serves)
         assert (bitmask != 0).any() and not (bitmask == -1).all()
+        assert scheduler.num_steps_in_flight == len(core._in_flight)
+        (out,) = llm.generate(["Give digits"], _digits(5, 10), use_tqdm=False)
+        assert re.fullmatch(r"[0-9]{5}", out.outputs[0].text)
+        assert scheduler.num_steps_in_flight == len(core._in_flight) == 0
+        assert core.kv_cache_manager.num_free_blocks == core.num_blocks
+
+
+@pytest.mark.parametrize("structured", [False, True], ids=["free", "constrained"])
+def test_a_step_that_fails_before_its_launch_is_retired(inproc_engine, monkeypatch, structured):
+    """An error while a scheduled step is launched: the core's step raises it, the
+    outputs it had gathered come with the next step, the scheduler retires the step
+    (its request fails with an error, no step stays in flight) and every block comes
+    back; the engine serves on."""
+    import time
+
+    from asyncllm.messages import EngineCoreRequest
+
+    core = inproc_engine.engine.client.core
+    launch, calls = core.executor.execute_model_async, []
+
+    def failing(sched):
+        calls.append(sched)
+        if len(calls) == 3:
+            raise RuntimeError("the launch failed")
+        return launch(sched)
+
+    monkeypatch.setattr(core.executor, "execute_model_async", failing)
+    so = S(regex="[0-9]{30}") if structured else None
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, structured_outputs=so)
+    core.add_request(EngineCoreRequest("doomed", [1, 2, 3, 4], params, 2, 8, time.monotonic()))
+    outs: dict[str, list] = {}
+    with pytest.raises(RuntimeError, match="launch failed"):
+        _run_until_done(core, outs)
+    monkeypatch.setattr(core.executor, "execute_model_async", launch)
+    assert core.scheduler.num_steps_in_flight == len(core._in_flight)
+    _run_until_done(core, outs)
+    final = outs["doomed"][-1]
+    assert final.error is not None and "interrupted" in final.error.message
+    assert len([t for o in outs["doomed"] for t in o.new_token_ids]) < 30
+    assert core.scheduler.num_steps_in_flight == len(core._in_flight) == 0
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks
+    core.add_request(
+        EngineCoreRequest("after", [1, 2, 3, 4], _digits(5, 10), 2, 8, time.monotonic())
+    )
+    _run_until_done(core, outs)
+    assert outs["after"][-1].finish_reason == "stop"
+    assert re.fullmatch(r"[0-9]{5}", _decoded(inproc_engine, outs["after"]))
 
 
 def test_a_step_split_over_threads_fills_and_refuses_as_one_call():

@@ -185,3 +185,21 @@ def test_the_log_space_draw_is_the_exponential_race():
         any_greedy=False,
     )
     assert torch.equal(Sampler()(logits.clone(), none_greedy).token_ids, race)
+
+
+def test_min_tokens_blocks_the_end_unless_nothing_else_is_left():
+    from asyncllm.sample.ops import block_tokens_
+
+    inf = float("inf")
+    logits = torch.tensor(
+        [
+            [0.5, 2.0, -1.0, 3.0],  # (other tokens allowed: the end tokens 1 and 3 go)
+            [-inf, 2.0, -inf, 3.0],  # (a grammar at its end: only 1 and 3 allowed)
+            [-inf, -inf, -inf, -inf],  # (nothing at all: stays so)
+        ]
+    )
+    want = logits.clone()
+    want[0, [1, 3]] = -inf
+    for i in range(3):
+        block_tokens_(logits[i], [1, 3])
+    assert torch.equal(logits, want)

@@ -236,6 +236,18 @@ class Scheduler:
             return []
         return [self._fail(head, ErrorKind.FAILED, "the scheduler could not schedule it")]
 
+    def retire_unlaunched(
+        self, sched: SchedulerOutput, why: str = "its step was interrupted before it ran"
+    ) -> list[EngineCoreOutput]:
+        """Ends a step that was scheduled but will never run (an error or an interrupt
+        before its launch): its requests fail with `why` (their tokens for it rolled
+        back, the blocks held for it released), as if the runner had refused them, and
+        no step of it stays in flight. Returns their outputs."""
+        self._masks_due.pop(id(sched), None)
+        record = self._in_flight.get(id(sched))
+        failed = {req.request_id: why for req, *_ in record[1]} if record is not None else {}
+        return self.update_from_output(sched, ModelRunnerOutput({}, failed=failed))
+
     def _unschedulable(self, req: Request, num_computed: int) -> EngineCoreOutput:
         """Ends a request of which no token can ever be computed."""
         max_len = self.config.max_model_len

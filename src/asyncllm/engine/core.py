@@ -174,6 +174,13 @@ class EngineCore:
         if self.thread_tuner is not None:
             self.thread_tuner.tick()
         outputs, self._pending_outputs = self._pending_outputs, []
+        try:
+            return self._step(outputs)
+        except BaseException:  # (what this call gathered waits for the next one)
+            self._pending_outputs[:0] = outputs
+            raise
+
+    def _step(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
         launched = applied = False
         # Launch steps until `_depth` are in flight (or nothing more can be scheduled),
         # then apply the oldest: each call ends with one step's results. A step whose
@@ -190,51 +197,17 @@ class EngineCore:
         while self.scheduler.has_unfinished_requests() and len(self._in_flight) < self._depth:
             sched = self.scheduler.schedule()
             outputs.extend(self.scheduler.take_error_outputs())
-            masks_due = not sched.is_empty and self.scheduler.masks_due(sched)
-            device = masks_due and self._uses_device_steps()
-            job = ahead = None
             try:
-                if masks_due:
-                    applied |= self._apply_all_but(1, outputs)
-                    last = self._in_flight[-1][0] if self._in_flight else None
-                    job = self.scheduler.plan_grammar_fill(sched, last, device)
-                if device:
-                    future = self.executor.execute_model_async(sched)
-                else:
-                    self._finish_fill()
-                    ahead = self._tokens_ahead(job) if masks_due else None
+                launched_now, applied_now, last = self._launch(sched, outputs)
             except BaseException:
-                # (the grammar process waits for the job's tokens: it gets none, and the
-                # next step can be sent; unless the device's hand-over is queued)
-                if sched.grammar_sync is None or not sched.grammar_sync.given:
-                    self.scheduler.give_grammar_tokens(job, None)
+                # (an error or an interrupt before it was in flight: the scheduler
+                # retires it, its requests failed, their blocks for it released)
+                if not any(s is sched for s, _ in self._in_flight):
+                    outputs.extend(self.scheduler.retire_unlaunched(sched))
                 raise
-            if device:
-                self._in_flight.append((sched, future))
-                launched = True
-                self._finish_fill()
-                self._filling = (future, job)
-                if len(self._in_flight) > 1:
-                    applied |= self._apply_ahead(self._tokens_ahead(None), outputs)
-                break
-            if sched.is_empty:
-                if sched.finished_req_ids:  # only ids for the runner to forget
-                    self.executor.execute_model(sched)
-                break
-            split = masks_due and self.executor.splits_launch
-            if masks_due:
-                if not split:  # (the step ahead is applied while the fill runs)
-                    applied |= self._apply_ahead(ahead, outputs)
-                    if job is not None:
-                        self.scheduler.finish_fill(job)
-            sched.grammar_bitmask_later = split
-            future = self.executor.execute_model_async(sched)
-            self._in_flight.append((sched, future))
-            launched = True
-            if split:  # its forward and fill run while the step before is applied
-                self._filling = (future, job)
-                applied |= self._apply_ahead(ahead, outputs)
-            if masks_due:
+            launched |= launched_now
+            applied |= applied_now
+            if last:
                 break
         if self._in_flight and not applied:
             outputs.extend(self._apply_oldest())
@@ -252,6 +225,60 @@ class EngineCore:
             logger.warning("the scheduler made no progress; ending the request at its head")
             outputs.extend(self.scheduler.fail_stalled())
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats())
+
+    def _launch(
+        self, sched: SchedulerOutput, outputs: list[EngineCoreOutput]
+    ) -> tuple[bool, bool, bool]:
+        """Launches the step `sched` (`step`'s loop): whether it launched, whether a step
+        was applied meanwhile, and whether it is the last this call launches."""
+        masks_due = not sched.is_empty and self.scheduler.masks_due(sched)
+        device = masks_due and self._uses_device_steps()
+        job = ahead = None
+        applied = False
+        try:
+            if masks_due:
+                applied |= self._apply_all_but(1, outputs)
+                last = self._in_flight[-1][0] if self._in_flight else None
+                job = self.scheduler.plan_grammar_fill(sched, last, device)
+            if device:
+                future = self.executor.execute_model_async(sched)
+            else:
+                self._finish_fill()
+                ahead = self._tokens_ahead(job) if masks_due else None
+        except BaseException:
+            # (the grammar process waits for the job's tokens: it gets none, and the
+            # next step can be sent; unless the device's hand-over is queued)
+            if sched.grammar_sync is None or not sched.grammar_sync.given:
+                self.scheduler.give_grammar_tokens(job, None)
+            raise
+        if device:
+            self._in_flight.append((sched, future))
+            self._finish_fill()
+            self._filling = (future, job)
+            if len(self._in_flight) > 1:
+                applied |= self._apply_ahead(self._tokens_ahead(None), outputs)
+            return True, applied, True
+        if sched.is_empty:
+            if sched.finished_req_ids:  # only ids for the runner to forget
+                self.executor.execute_model(sched)
+            return False, applied, True
+        split = masks_due and self.executor.splits_launch
+        try:
+            if masks_due and not split:  # (the step ahead is applied while the fill runs)
+                applied |= self._apply_ahead(ahead, outputs)
+                if job is not None:
+                    self.scheduler.finish_fill(job)
+            sched.grammar_bitmask_later = split
+            future = self.executor.execute_model_async(sched)
+            self._in_flight.append((sched, future))
+        except BaseException:  # (the step ahead, out of flight: its results are kept)
+            if ahead is not None:
+                outputs.extend(self.scheduler.update_from_output(*ahead))
+            raise
+        if split:  # its forward and fill run while the step before is applied
+            self._filling = (future, job)
+            applied |= self._apply_ahead(ahead, outputs)
+        return True, applied, masks_due
 
     def apply_steps_in_flight(self) -> None:
         """Waits for every step in flight and applies it; their outputs wait for the next
@@ -293,8 +320,9 @@ class EngineCore:
         output (None: none was in flight), which `_apply_ahead` applies next."""
         if not self._in_flight:
             return None
-        before, before_future = self._in_flight.popleft()
+        before, before_future = self._in_flight[0]
         ahead = (before, before_future.result())
+        self._in_flight.popleft()  # (only now: interrupted in the wait, it stays in flight)
         self.scheduler.give_grammar_tokens(job, ahead[1])
         return ahead
 

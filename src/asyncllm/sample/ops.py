@@ -56,6 +56,18 @@ def apply_presence_frequency(
     return logits - frequency.unsqueeze(-1) * counts - presence.unsqueeze(-1) * (counts > 0)
 
 
+def block_tokens_(row: torch.Tensor, ids: list[int]) -> None:
+    """Masks `ids` in one row of logits (min_tokens: EOS and the stop tokens), in place,
+    unless every other token is masked already (a grammar at its end allows only its
+    end tokens): the row keeps them then, rather than draw a token at random. No sync:
+    the choice is made on the device."""
+    index = torch.tensor(ids, dtype=torch.int64).to(row.device, non_blocking=True)
+    kept = row.index_select(0, index)
+    row.index_fill_(0, index, NEG_INF)
+    nothing_else = torch.isneginf(row).all()
+    row.index_copy_(0, index, torch.where(nothing_else, kept, NEG_INF))
+
+
 def bincount_rows(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """[B, V] float counts of each row's tokens."""
     counts = torch.zeros(len(token_lists), vocab, device=device)

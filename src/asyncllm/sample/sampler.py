@@ -1,7 +1,8 @@
 """Token selection for a batch of requests, on the device, without per-request syncs.
 
 Order: raw logprobs (if asked) from the model's logits; then logit bias, min_tokens
-(EOS and stop tokens masked), repetition / presence / frequency penalties, user
+(EOS and stop tokens masked, unless nothing else is left: a grammar at its end),
+repetition / presence / frequency penalties, user
 processors; then greedy argmax, or temperature, min-p, top-k, top-p and a draw.
 Random draws use the exponential-race trick (argmax of p / E with E ~ Exp(1)), taken in
 log space, argmax(logits / T - log E), so no softmax is computed; one row of noise per
@@ -93,7 +94,7 @@ class Sampler:
         if md.logit_bias is not None:
             logits = logits + md.logit_bias
         for i, ids in md.blocked_tokens:
-            logits[i, ids] = ops.NEG_INF
+            ops.block_tokens_(logits[i], ids)
         if md.repetition_penalty is not None:
             assert md.seen_mask is not None, "a repetition penalty needs seen_mask"
             logits = ops.apply_repetition_penalty(logits, md.seen_mask, md.repetition_penalty)

@@ -259,11 +259,15 @@ def main(argv: list[str]) -> None:
         kind = msg[0]
         if kind == "grammar":  # [_, grammar id, serialized]
             grammars[msg[1]] = xgr.CompiledGrammar.deserialize_json(msg[2], info)
-        elif kind == "matchers":  # [_, [[matcher id, grammar id], ...], [freed ids]]
+        elif kind == "matchers":
+            # [_, [[matcher id, grammar id], ...], [freed ids], [dropped grammar ids]]:
+            # made, then let go (a matcher keeps its grammar)
             for mid, gid in msg[1]:
                 matchers[mid] = xgr.GrammarMatcher(grammars[gid])
             for mid in msg[2]:
                 matchers.pop(mid, None)
+            for gid in msg[3]:
+                grammars.pop(gid, None)
         elif kind == "step":
             # [_, [[matcher id, token], ...], buffer, [[row, matcher id], ...], [matcher
             # id, ...], seq]: the fifth, the accepts whose tokens come later: with seq 0,

@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any
 
@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 
 
 WATCH_S = 0.5  # (how often the device steps' watchdog looks; see `_watch`)
+# Compiled grammars kept (by key, the least recently asked for dropped first), here and
+# in the grammar process: a server whose clients send a schema each would grow without
+# bound (~0.3 MB a small schema). A matcher outlives its grammar's eviction.
+GRAMMAR_CACHE = 128
 
 
 class StructuredRequest:
@@ -232,7 +236,7 @@ class StructuredOutputManager:
         self._closed = False
         self._compiler: Any = None
         self._tokenizer_info: Any = None
-        self._cache: dict[GrammarKey, Future[Any]] = {}
+        self._cache: OrderedDict[GrammarKey, Future[Any]] = OrderedDict()
         self._stop_token_ids: frozenset[int] = frozenset()
         # The bitmask buffers (made at the first allocate_bitmask or matcher), taken in
         # turn, and the step that used each last.
@@ -242,6 +246,8 @@ class StructuredOutputManager:
         # The grammar process (made with the first matcher), what it has been sent
         self._process: GrammarProcess | None = None
         self._grammar_ids: dict[GrammarKey, int] = {}
+        self._next_grammar = 0
+        self._dropped: list[int] = []  # grammars evicted from the cache, to send
         self._next_matcher = 0
         self._new_matchers: list[list[int]] = []  # [matcher id, grammar id], to send
         # Matchers let go, to send: one list for good (each request's finalizer appends
@@ -279,6 +285,12 @@ class StructuredOutputManager:
         fut = self._cache.get(key)
         if fut is None or (fut.done() and fut.exception() is not None):
             fut = self._cache[key] = self._pool.submit(self._compile, key)
+        self._cache.move_to_end(key)
+        while len(self._cache) > GRAMMAR_CACHE:
+            old, _ = self._cache.popitem(last=False)
+            gid = self._grammar_ids.pop(old, None)
+            if gid is not None:  # (its matchers keep it; new ones are made from a new copy)
+                self._dropped.append(gid)
         return StructuredRequest(fut, key, self)
 
     @property
@@ -330,7 +342,8 @@ class StructuredOutputManager:
         process = self._get_process()
         gid = self._grammar_ids.get(req.key)
         if gid is None:
-            gid = self._grammar_ids[req.key] = len(self._grammar_ids)
+            gid = self._grammar_ids[req.key] = self._next_grammar
+            self._next_grammar += 1
             process.send(["grammar", gid, req.future.result().serialize_json()])
         mid = self._next_matcher
         self._next_matcher += 1
@@ -451,10 +464,10 @@ class StructuredOutputManager:
         if any(job.ahead_keys is not None for job in self._pending):
             raise RuntimeError("a step was sent while an earlier one still waits for its tokens")
         process = self._get_process()
-        if self._new_matchers or self._freed:
+        if self._new_matchers or self._freed or self._dropped:
             new, self._new_matchers = self._new_matchers, []
-            freed = self._take_freed()
-            process.send(["matchers", new, freed])
+            dropped, self._dropped = self._dropped, []
+            process.send(["matchers", new, self._take_freed(), dropped])
         k = 0
         if rows:
             assert bitmask is not None and self._shared is not None
@@ -489,7 +502,7 @@ class StructuredOutputManager:
                 job._fail(GrammarProcessError("the grammar process was stopped"))
             self._pending.clear()
         self._grammar_ids.clear()
-        self._new_matchers = []
+        self._new_matchers, self._dropped = [], []
         self._take_freed()  # (they lived in the process that is gone)
 
     def accept(self, accepts: Accepts) -> list[Any]:
