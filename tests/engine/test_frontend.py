@@ -46,6 +46,25 @@ def test_llm_refuses_overload_with_engine_overloaded_error():
         assert len(out[0].outputs[0].token_ids) == 3
 
 
+def test_a_step_that_raises_one_requests_error_loses_no_other_output():
+    """A request refused in the step in which another one finishes: the step raises the
+    refusal, and the finished request's output comes with the next step (its state was
+    already gone: it would have been lost), as does a second refusal."""
+    with _llm(max_num_seqs=1, max_waiting_requests=1) as llm:
+        engine = llm.engine
+        engine.add_request("A", [1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert [o.finished for o in engine.step()] == [False]
+        for rid in "BCD":  # (B waits; C and D find the queue full)
+            engine.add_request(rid, [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+        finished, refused = [], []
+        while engine.has_unfinished_requests():
+            try:
+                finished += [o.request_id for o in engine.step() if o.finished]
+            except EngineOverloadedError as e:
+                refused.append(str(e))
+        assert sorted(finished) == ["A", "B"] and len(refused) == 2
+
+
 async def test_async_llm_refuses_overload_with_the_same_error():
     async with AsyncLLM(**INSTANT, max_num_seqs=1, max_waiting_requests=1) as llm:
 

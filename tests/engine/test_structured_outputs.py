@@ -966,6 +966,7 @@ def test_a_step_that_fails_before_its_launch_is_retired(inproc_engine, monkeypat
     def failing(sched):
         calls.append(sched)
         if len(calls) == 3:
+            sched.finished_req_ids.add("ended-before")  # (the runner is to forget it)
             raise RuntimeError("the launch failed")
         return launch(sched)
 
@@ -978,6 +979,7 @@ def test_a_step_that_fails_before_its_launch_is_retired(inproc_engine, monkeypat
         _run_until_done(core, outs)
     monkeypatch.setattr(core.executor, "execute_model_async", launch)
     assert core.scheduler.num_steps_in_flight == len(core._in_flight)
+    assert "ended-before" in core.scheduler.finished_req_ids  # (told with the next step)
     _run_until_done(core, outs)
     final = outs["doomed"][-1]
     assert final.error is not None and "interrupted" in final.error.message
@@ -990,6 +992,51 @@ def test_a_step_that_fails_before_its_launch_is_retired(inproc_engine, monkeypat
     _run_until_done(core, outs)
     assert outs["after"][-1].finish_reason == "stop"
     assert re.fullmatch(r"[0-9]{5}", _decoded(inproc_engine, outs["after"]))
+
+
+@pytest.mark.parametrize("structured", [False, True], ids=["free", "constrained"])
+def test_an_interrupt_while_a_step_is_awaited_leaves_it_in_flight(
+    inproc_engine, monkeypatch, structured
+):
+    """A Ctrl-C while the core waits for a step's tokens: the step stays in flight (in
+    the core and the runner) and a later step applies it once, and every block comes
+    back. Free, the wait is the apply of the oldest step, and the request finishes whole;
+    constrained, it is the wait for the tokens the next step's fill needs, during that
+    step's launch: that step is retired, and the request ends with its error."""
+    import time
+
+    from asyncllm.messages import EngineCoreRequest
+    from asyncllm.worker.model_runner import StepResult
+
+    core = inproc_engine.engine.client.core
+    apply, calls = StepResult.apply, []
+
+    def interrupted(self):
+        calls.append(self)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        apply(self)
+
+    monkeypatch.setattr(StepResult, "apply", interrupted)
+    so = S(regex="[0-9]{12}") if structured else None
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, structured_outputs=so)
+    core.add_request(EngineCoreRequest("waited", [1, 2, 3, 4], params, 2, 12, time.monotonic()))
+    outs: dict[str, list] = {}
+    with pytest.raises(KeyboardInterrupt):
+        _run_until_done(core, outs)
+    assert core.scheduler.num_steps_in_flight == len(core._in_flight) > 0
+    _run_until_done(core, outs)
+    final = outs["waited"][-1]
+    tokens = [t for o in outs["waited"] for t in o.new_token_ids]
+    if structured:
+        assert final.error is not None and "interrupted" in final.error.message
+        assert 0 < len(tokens) < 12 and re.fullmatch(
+            "[0-9]+", _decoded(inproc_engine, outs["waited"])
+        )
+    else:
+        assert final.error is None and final.finish_reason == "length" and len(tokens) == 12
+    assert core.scheduler.num_steps_in_flight == len(core._in_flight) == 0
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks
 
 
 def test_a_step_split_over_threads_fills_and_refuses_as_one_call():

@@ -297,6 +297,28 @@ async def test_a_process_start_shutdown_cycle_exits_0():
     assert not os.path.exists(process.ipc_dir)
 
 
+def test_an_interrupted_start_leaves_no_core_process_behind(monkeypatch):
+    """Ctrl-C while `LLM()` waits for the core to be ready (as in a notebook, which
+    keeps the traceback, and so the client): the core process is stopped and its socket
+    folder removed before the interrupt goes on."""
+    from asyncllm.engine.core_client import SyncMPClient
+
+    clients = []
+    wait_for = SyncMPClient._wait_for
+
+    def interrupted(self, match, timeout):
+        clients.append(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SyncMPClient, "_wait_for", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        LLM(multiprocess=True, **INSTANT)
+    monkeypatch.setattr(SyncMPClient, "_wait_for", wait_for)
+    (client,) = clients
+    assert client.process.exit_code() is not None
+    assert not os.path.exists(client.process.ipc_dir)
+
+
 # --- 6. I/O thread failures: survived, or fatal and loud ------------------------------
 
 

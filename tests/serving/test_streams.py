@@ -235,3 +235,24 @@ async def test_using_it_from_another_loop_is_a_clear_error(allm):
     t.join(10)
     assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
     assert "event loop" in str(errors[0]) and not isinstance(errors[0], EngineDeadError)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_an_id_is_taken_while_its_prompt_is_tokenized(allm):
+    """A request's id is its generator's from the start, the tokenizer's wait included:
+    another request with that id meanwhile is refused (it would have taken over the
+    first one's stream), and the first one streams to its end."""
+    held = threading.Event()
+    allm._setup._pool.submit(held.wait)  # (the setup thread busy: tokenizing waits)
+    first = allm.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True), request_id="dup")
+    waiting = asyncio.ensure_future(first.__anext__())
+    for _ in range(100):  # (its first steps, up to the tokenizer's wait)
+        await asyncio.sleep(0)
+    assert "dup" in allm._collectors
+    ids = [1, 2, 3]
+    with pytest.raises(ValueError, match="already in use"):
+        await allm.generate(ids, SamplingParams(max_tokens=1), request_id="dup").__anext__()
+    held.set()
+    outs = [await waiting] + [o async for o in first]
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+    assert "dup" not in allm._collectors

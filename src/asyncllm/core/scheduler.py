@@ -242,8 +242,10 @@ class Scheduler:
         """Ends a step that was scheduled but will never run (an error or an interrupt
         before its launch): its requests fail with `why` (their tokens for it rolled
         back, the blocks held for it released), as if the runner had refused them, and
-        no step of it stays in flight. Returns their outputs."""
+        no step of it stays in flight; the ids it was to tell the runner to forget go
+        with the next step. Returns their outputs."""
         self._masks_due.pop(id(sched), None)
+        self.finished_req_ids |= sched.finished_req_ids
         record = self._in_flight.get(id(sched))
         failed = {req.request_id: why for req, *_ in record[1]} if record is not None else {}
         return self.update_from_output(sched, ModelRunnerOutput({}, failed=failed))

@@ -345,8 +345,10 @@ class EngineCore:
 
     def _apply_oldest(self) -> list[EngineCoreOutput]:
         self._finish_fill()
-        sched, future = self._in_flight.popleft()
-        return self.scheduler.update_from_output(sched, future.result())
+        sched, future = self._in_flight[0]
+        output = future.result()
+        self._in_flight.popleft()  # (only now: interrupted in the wait, it stays in flight)
+        return self.scheduler.update_from_output(sched, output)
 
     def get_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()

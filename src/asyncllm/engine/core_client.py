@@ -187,9 +187,11 @@ class SyncMPClient(_MPClientBase, EngineCoreClient):
             while not self._try_send_config():
                 time.sleep(0.01)
             self.info = self._wait_for(lambda k, o: k is MsgKind.READY, ready_timeout)
-        except EngineDeadError as e:
+        except BaseException as e:  # (a Ctrl-C too: no core process or socket is left)
             self.shutdown()
-            raise EngineStartupError(str(e)) from e
+            if isinstance(e, EngineDeadError | TimeoutError):
+                raise EngineStartupError(str(e)) from e
+            raise
 
     def _recv(self, timeout: float) -> tuple[MsgKind, Any] | None:
         if self.output.poll(int(timeout * 1000)):

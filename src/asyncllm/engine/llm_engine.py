@@ -4,6 +4,7 @@ logic of its own."""
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from asyncllm.config import EngineArgs, EngineConfig
@@ -62,6 +63,10 @@ class LLMEngine:
         self.config = config
         self.frontend = frontend
         self.client = client
+        # A step that raised a request's error: the other outputs it had, and the other
+        # errors, come with the next steps (one error a call) rather than being lost.
+        self._carried: list[RequestOutput] = []
+        self._errors: deque[BaseException] = deque()
 
     @classmethod
     def from_engine_args(
@@ -109,22 +114,29 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step's outputs. A request the core refused or failed raises its
-        error here (EngineOverloadedError, ValueError, RequestFailedError). With no
-        unfinished request it returns [] at once: an idle core sends nothing to wait for."""
-        if not self.frontend.has_unfinished_requests():
-            return []
-        core = self.client.get_output()
-        processed = self.frontend.process_outputs(core.outputs)
-        if processed.reqs_to_abort:
-            self.client.abort_requests(processed.reqs_to_abort)
-        if not self.frontend.has_unfinished_requests():
-            self.client.settle()
-        if processed.errors:
-            raise processed.errors[0][1]
-        return processed.request_outputs
+        error here (EngineOverloadedError, ValueError, RequestFailedError); the other
+        requests' outputs of that step come with the next call, as do further errors
+        (one a call). With no unfinished request it returns at once: an idle core sends
+        nothing to wait for."""
+        outputs, self._carried = self._carried, []
+        if not self._errors and self.frontend.has_unfinished_requests():
+            core = self.client.get_output()
+            processed = self.frontend.process_outputs(core.outputs)
+            if processed.reqs_to_abort:
+                self.client.abort_requests(processed.reqs_to_abort)
+            if not self.frontend.has_unfinished_requests():
+                self.client.settle()
+            outputs += processed.request_outputs
+            self._errors.extend(error for _, error in processed.errors)
+        if self._errors:
+            self._carried = outputs
+            raise self._errors.popleft()
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.frontend.has_unfinished_requests()
+        """Requests still running, or outputs and errors of a step that raised, still to
+        come from `step()`."""
+        return bool(self._carried or self._errors) or self.frontend.has_unfinished_requests()
 
     def get_stats(self) -> dict[str, Any]:
         return self.frontend.stats(self.client.get_stats())

@@ -252,17 +252,21 @@ class AsyncLLM:
         if request_id in self._collectors:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = frontend.check_params(sampling_params)
-        tokenized = None
-        if _is_text(prompt):
-            assert self._setup is not None  # (_check_usable passed)
-            tokenized = await self._setup.tokenize(prompt)
-            frontend, client = self._check_usable()  # (it may have died meanwhile)
-        core_reqs = frontend.add_request(request_id, prompt, params, priority, tokenized)
         assert self._aio is not None  # (_check_usable passed)
         collector = RequestOutputCollector(params.output_kind, self._aio.event())
+        # The id is this generator's from here on, the tokenizer's await included: a
+        # generator that reuses it meanwhile is refused, and this one's end forgets and
+        # aborts only its own request.
         self._collectors[request_id] = collector
-        finished = False
+        added = finished = False
         try:
+            tokenized = None
+            if _is_text(prompt):
+                assert self._setup is not None  # (_check_usable passed)
+                tokenized = await self._setup.tokenize(prompt)
+                frontend, client = self._check_usable()  # (it may have died meanwhile)
+            core_reqs = frontend.add_request(request_id, prompt, params, priority, tokenized)
+            added = True
             for req in core_reqs:
                 client.add_request(req)
             while not finished:
@@ -270,8 +274,9 @@ class AsyncLLM:
                 finished = out.finished
                 yield out
         finally:
-            self._collectors.pop(request_id, None)
-            if not finished:
+            if self._collectors.get(request_id) is collector:
+                del self._collectors[request_id]
+            if added and not finished:
                 self._abort_now(request_id)
 
     async def chat(

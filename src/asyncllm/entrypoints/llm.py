@@ -18,6 +18,7 @@ from typing import Any
 from asyncllm.config import EngineArgs
 from asyncllm.engine.core_client import InprocClient, SyncMPClient
 from asyncllm.engine.llm_engine import LLMEngine
+from asyncllm.errors import EngineOverloadedError, RequestFailedError
 from asyncllm.frontend.chat import Messages, as_conversations
 from asyncllm.frontend.chat_tools import attach_tool_calls, tools_and_constraint, with_tool_choice
 from asyncllm.frontend.input_processor import PromptType
@@ -125,7 +126,10 @@ class LLM:
         except BaseException:
             self.engine.abort_request([rid for rid in ids])
             while self.engine.has_unfinished_requests():
-                self.engine.step()
+                try:
+                    self.engine.step()
+                except (ValueError, EngineOverloadedError, RequestFailedError):
+                    pass  # (another request's error: the first one is raised)
             raise
 
     def chat(

@@ -442,8 +442,9 @@ class ModelRunner:
     def apply_results_through(self, result: StepResult | None) -> None:
         """Applies the results in flight, oldest first, up to `result` (None: all)."""
         while self._in_flight:
-            r = self._in_flight.popleft()
-            r.apply()
+            r = self._in_flight[0]
+            r.apply()  # (interrupted, it stays in flight: a later call applies it)
+            self._in_flight.popleft()
             if r is result:
                 return
 
