@@ -347,6 +347,8 @@ class SamplingParams:
                 f"output_kind must be one of {[k.name for k in RequestOutputKind]}, "
                 f"got {_show(self.output_kind)}"
             )
+        # (an int set after construction: the enum, which the output paths compare by `is`)
+        self.output_kind = RequestOutputKind(self.output_kind)
 
     @property
     def is_greedy(self) -> bool:

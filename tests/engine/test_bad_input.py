@@ -41,6 +41,18 @@ def test_bad_sampling_params_name_the_field(kwargs, error, field):
         SamplingParams(**kwargs)
 
 
+def test_an_output_kind_set_as_an_int_later_is_checked_as_the_enum():
+    from asyncllm import RequestOutputKind
+
+    params = SamplingParams()
+    params.output_kind = 1  # (DELTA, set after construction)
+    params.verify()
+    assert params.output_kind is RequestOutputKind.DELTA
+    params.output_kind = 7
+    with pytest.raises(ValueError, match="output_kind"):
+        params.verify()
+
+
 @pytest.mark.parametrize(
     "prompt,error,match",
     [

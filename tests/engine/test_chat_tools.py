@@ -106,3 +106,21 @@ async def test_async_chat_streams_text_then_the_parsed_call(allm):
     (call,) = outs[-1].outputs[0].tool_calls
     _check_call(call)
     assert json.loads(text) == {"name": call.name, "arguments": json.loads(call.arguments)}
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_async_chat_with_n2_delta_gives_each_completion_its_call(allm):
+    """n = 2 in DELTA: the children end in different outputs, and each completion gets
+    its parsed call in the output where it ends."""
+    params = SamplingParams(
+        n=2, temperature=1.0, seed=5, max_tokens=48, output_kind=RequestOutputKind.DELTA
+    )
+    calls = {}
+    async for out in allm.chat(ASK, params, tools=TOOLS, tool_choice="required"):
+        for c in out.outputs:
+            if c.tool_calls:
+                assert c.finish_reason is not None and c.index not in calls
+                calls[c.index] = c.tool_calls
+    assert sorted(calls) == [0, 1]
+    for (call,) in calls.values():
+        _check_call(call)

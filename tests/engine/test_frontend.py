@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import pytest_asyncio
 
-from asyncllm import AsyncLLM, EngineOverloadedError, SamplingParams
+from asyncllm import AsyncLLM, EngineOverloadedError, RequestOutputKind, SamplingParams
 from asyncllm.frontend.frontend import request_exception
 from asyncllm.messages import ErrorKind, RequestError
 
@@ -206,6 +206,44 @@ async def test_aborting_a_child_ends_it_and_the_parent_finishes(instant_async):
     assert reasons == {0: "abort", 1: "length"}
     stats = await llm.get_stats()
     assert stats["num_frontend_requests"] == 0
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_aborting_an_n3_delta_request_ends_every_child(instant_async):
+    """DELTA with n = 3, the parent aborted: the last output has each child ended with
+    'abort' (as vLLM), not only the one the abort looked at last."""
+    llm = instant_async
+    params = SamplingParams(
+        n=3, max_tokens=300, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    got = []
+
+    async def run():
+        async for out in llm.generate("z", params, request_id="z"):
+            got.append(out)
+
+    task = asyncio.create_task(run())
+    while not got:
+        await asyncio.sleep(0.01)
+    await llm.abort("z")
+    await task
+    assert got[-1].finished
+    reasons = {c.index: c.finish_reason for c in got[-1].outputs}
+    assert reasons == {0: "abort", 1: "abort", 2: "abort"}
+
+
+def test_an_n2_delta_request_sends_its_prompt_logprobs_once(llm):
+    params = SamplingParams(
+        n=2, max_tokens=3, ignore_eos=True, prompt_logprobs=0, output_kind=RequestOutputKind.DELTA
+    )
+    engine = llm.engine  # (the embedded model: real prompt logprobs)
+    engine.add_request("pl", {"prompt_token_ids": [5, 6, 7]}, params)
+    sent = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            sent += o.prompt_logprobs or []
+    # (each position once, though both children computed them; the first has none)
+    assert len(sent) == 3 and sent[0] is None and all(p is not None for p in sent[1:])
 
 
 @pytest.mark.asyncio(loop_scope="module")

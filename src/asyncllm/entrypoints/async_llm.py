@@ -291,9 +291,9 @@ class AsyncLLM:
         tool_choice: Any = "auto",
     ) -> AsyncGenerator[RequestOutput, None]:
         """One conversation through the tokenizer's chat template, streamed. With
-        `tools` (as in `LLM.chat`) the text streams as it comes, and the last output's
-        completions carry the parsed `tool_calls` (their whole text parsed, whatever
-        the output kind)."""
+        `tools` (as in `LLM.chat`) the text streams as it comes, and each completion
+        carries its parsed `tool_calls` in the output where it ends (its whole text
+        parsed, whatever the output kind; with n > 1 that may be before the last)."""
         rendered, constraint = tools_and_constraint(tools, tool_choice)
         sampling_params = with_tool_choice(sampling_params, constraint)
         prompt = await self.render_chat(
@@ -308,8 +308,8 @@ class AsyncLLM:
             if rendered is not None:
                 for c in out.outputs:
                     texts[c.index] = texts.get(c.index, "") + c.text if delta else c.text
-                if out.finished:
-                    for c in out.outputs:
+                for c in out.outputs:  # (each when it ends: with n > 1 DELTA, in its own output)
+                    if c.finish_reason is not None:
                         content, calls = parse_tool_calls(texts[c.index], names)
                         if calls:
                             c.tool_calls = calls

@@ -269,7 +269,8 @@ class OutputProcessor:
                 state.abort()
                 del self.states[state.request_id]
                 core_ids.append(state.request_id)
-            ro = self._make_output(states[-1]) if states else None
+            # (DELTA: one output with every child aborted here, each its last)
+            ro = self._make_output(states[-1], delta_children=states) if states else None
             if ro is not None:
                 outputs.append(ro)
         return core_ids, outputs
@@ -294,7 +295,9 @@ class OutputProcessor:
                 result.request_outputs.append(ro)
         return result
 
-    def _make_output(self, state: RequestState) -> RequestOutput | None:
+    def _make_output(
+        self, state: RequestState, delta_children: list[RequestState] | None = None
+    ) -> RequestOutput | None:
         kind = state.params.output_kind
         parent = state.parent
         if parent is None:
@@ -319,7 +322,7 @@ class OutputProcessor:
                 return None
             children = [parent.children[i].completion(kind) for i in sorted(parent.children)]
         elif kind is RequestOutputKind.DELTA:
-            children = [state.completion(kind)]
+            children = [s.completion(kind) for s in delta_children or [state]]
         else:
             children = [parent.children[i].completion(kind) for i in sorted(parent.children)]
         return self._request_output(parent.request_id, state, children, finished)
@@ -334,7 +337,10 @@ class OutputProcessor:
             prompt_token_ids=state.prompt_token_ids,
             outputs=completions,
             finished=finished,
-            prompt_logprobs=state.take_prompt_logprobs(state.params.output_kind),
+            # (each child of an n > 1 request has the prompt's: the first one's go out)
+            prompt_logprobs=state.take_prompt_logprobs(state.params.output_kind)
+            if state.parent is None or state.index == 0
+            else None,
             num_cached_tokens=state.num_cached_tokens,
             metrics=dict(state.metrics),
         )
