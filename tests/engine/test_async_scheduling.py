@@ -207,3 +207,31 @@ def test_aborts_mid_stream_match(tiny_folder):
     for rid, k in (("x1", 3), ("x2", 1)):
         assert sync[rid] == asyn[rid] == sync[rid][:k]
     assert sync["x0"] == asyn["x0"] and sync["x3"] == asyn["x3"]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_prompt_logprobs_go_out_once_through_preemptions_in_chunked_prefill(
+    tiny_folder, async_scheduling
+):
+    """A request preempted part-way through a chunked prefill that asked for prompt
+    logprobs computes them again from its first position on resuming: each position is
+    sent once, and equal to an uncontended run's."""
+    tight = dict(num_gpu_blocks_override=12, long_prefill_token_threshold=4)
+    tight.update(max_num_batched_tokens=16, max_model_len=48)
+    reqs = [
+        _request("A", _prompt(1, 8), 30),
+        _request("B", _prompt(2, 36), 4, prompt_logprobs=1),
+    ]
+    runs = {}
+    for name, extra in (("tight", tight), ("roomy", {})):
+        core = _core(tiny_folder, async_scheduling, **extra)
+        try:
+            outs = _run(core, reqs)
+            runs[name] = [
+                lp for o in outs["B"] if o.new_prompt_logprobs for lp in o.new_prompt_logprobs.ranks
+            ]
+            if name == "tight":
+                assert core.scheduler.stats.num_preemptions > 0
+        finally:
+            core.shutdown()
+    assert len(runs["tight"]) == 35 and runs["tight"] == runs["roomy"]

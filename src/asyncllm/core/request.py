@@ -85,6 +85,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
+        # Prompt positions whose logprobs went out: a prefill recomputed after a
+        # preemption computes them again, and they are not sent twice.
+        self.num_prompt_logprobs_sent = 0
         self.first_scheduled_time = 0.0  # time.monotonic() when it first got tokens
         self.num_output_placeholders = 0
         self.num_in_flight = 0

@@ -61,6 +61,7 @@ from asyncllm.step_io import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    TokenLogprobs,
 )
 
 
@@ -712,7 +713,7 @@ class Scheduler:
                     req.num_computed_tokens = computed_before
                     outputs.append(self._fail(req, ErrorKind.FAILED, reason))
                 else:
-                    out = self._update_request(req, runner, accept)
+                    out = self._update_request(req, runner, accept, computed_before)
                     if out is not None:
                         outputs.append(out)
             if not req.num_in_flight and req.held_blocks is not None:
@@ -732,7 +733,11 @@ class Scheduler:
         )
 
     def _update_request(
-        self, req: Request, runner: ModelRunnerOutput, accept: bool = True
+        self,
+        req: Request,
+        runner: ModelRunnerOutput,
+        accept: bool = True,
+        computed_before: int = 0,
     ) -> EngineCoreOutput | None:
         """Appends the request's sampled tokens up to the first that ends it (the rest
         are dropped); its output, or None if it has nothing to report. `accept`: its
@@ -761,6 +766,8 @@ class Scheduler:
                 finished = True
                 break
         prompt_lp = runner.prompt_logprobs.get(rid) if runner.prompt_logprobs else None
+        if prompt_lp is not None:  # (positions computed_before on: drop those sent before)
+            prompt_lp = self._new_prompt_logprobs(req, prompt_lp, computed_before)
         if not new_tokens and prompt_lp is None and not finished:
             return None  # mid-prefill: nothing to say yet
         out = EngineCoreOutput(
@@ -779,6 +786,20 @@ class Scheduler:
             self.running.remove(req)
             self._free(req)
         return out
+
+    @staticmethod
+    def _new_prompt_logprobs(
+        req: Request, lp: TokenLogprobs, start: int
+    ) -> TokenLogprobs | None:
+        """The prompt logprobs of a chunk whose first position is `start` that were not
+        sent before (after a preemption, the prefill computes them again); None if none."""
+        skip = max(0, req.num_prompt_logprobs_sent - start)
+        req.num_prompt_logprobs_sent = max(req.num_prompt_logprobs_sent, start + len(lp.ranks))
+        if skip == 0:
+            return lp
+        if skip >= len(lp.ranks):
+            return None
+        return TokenLogprobs(lp.token_ids[skip:], lp.logprobs[skip:], lp.ranks[skip:])
 
     def _check_stop(self, req: Request, token: int) -> bool:
         """Whether `token`, the request's last, ends it; if so, sets its finished status
