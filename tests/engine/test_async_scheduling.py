@@ -235,3 +235,30 @@ def test_prompt_logprobs_go_out_once_through_preemptions_in_chunked_prefill(
         finally:
             core.shutdown()
     assert len(runs["tight"]) == 35 and runs["tight"] == runs["roomy"]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_request_the_runner_refuses_leaves_no_unwritten_block_to_its_prefix_readers(
+    tiny_folder, async_scheduling
+):
+    """A refused by the runner (a logits processor rejects its arguments) after B,
+    with the same prompt, was given A's blocks as a prefix-cache hit: those blocks were
+    never written, so B computes its prefix again and its tokens equal B's alone."""
+    prompt = _prompt(5, 13)
+    processors = dict(logits_processors=["tests.engine.processors:ForceToken"])
+    bad = _request("A", prompt, 8, extra_args={"force_token": "oops"})
+    runs = {}
+    for name, reqs in (
+        ("alone", [_request("B", prompt, 8)]),
+        ("after", [bad, _request("B", prompt, 8)]),
+    ):
+        core = _core(tiny_folder, async_scheduling, **processors)
+        try:
+            outs = _run(core, reqs)
+            assert core.kv_cache_manager.num_free_blocks == core.num_blocks
+        finally:
+            core.shutdown()
+        runs[name] = [t for o in outs["B"] for t in o.new_token_ids]
+        if name == "after":
+            assert outs["A"][-1].error is not None
+    assert len(runs["alone"]) == 8 and runs["after"] == runs["alone"]

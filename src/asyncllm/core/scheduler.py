@@ -378,13 +378,32 @@ class Scheduler:
 
     def _preempt_one(self) -> Request:
         """Preempts the lowest-priority running request (priority: the highest value,
-        then the latest arrival; FCFS: the last admitted): its blocks are freed, its
-        progress reset, and it waits again, keeping its output tokens."""
+        then the latest arrival; FCFS: the last admitted): see `_preempt`."""
         if self.config.policy is SchedulingPolicy.PRIORITY:
             victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
             self.running.remove(victim)
         else:
             victim = self.running.pop()
+        self._preempt(victim)
+        return victim
+
+    def _recompute_readers(self, blocks: list[KVCacheBlock]) -> None:
+        """Preempts the running requests holding any of `blocks` (found in the prefix
+        cache, but never written: the request that was to write them failed), so they
+        compute their tokens again; their results in flight are dropped."""
+        if not blocks:
+            return
+        unwritten = {id(b) for b in blocks}
+        get_blocks = self.kv.coordinator.get_blocks
+        for req in [
+            r for r in self.running if any(id(b) in unwritten for b in get_blocks(r.request_id))
+        ]:
+            self.running.remove(req)
+            self._preempt(req)
+
+    def _preempt(self, victim: Request) -> None:
+        """Preempts `victim`, taken out of `running`: its blocks are freed, its progress
+        reset, and it waits again, keeping its output tokens."""
         self.kv.free(victim)  # before num_computed_tokens is reset: see KVCacheManager.free
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -393,7 +412,6 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.prepend(victim)
         self.finished_req_ids.add(victim.request_id)  # the runner drops its state
-        return victim
 
     def _schedule_waiting(self, step: _StepPlan) -> None:
         """Admits waiting requests in queue order, each starting after its prefix-cache
@@ -709,9 +727,13 @@ class Scheduler:
                 reason = failed.get(req.request_id) if failed else None
                 if reason is not None:
                     # Its step did not run: the blocks it was to fill hold nothing (and
-                    # must not stay findable in the prefix cache).
+                    # must not stay findable in the prefix cache), and requests that
+                    # found them there since compute their prefix again.
+                    first = computed_before // self.kv.block_size
+                    unwritten = self.kv.coordinator.get_blocks(req.request_id)[first:]
                     req.num_computed_tokens = computed_before
                     outputs.append(self._fail(req, ErrorKind.FAILED, reason))
+                    self._recompute_readers(unwritten)
                 else:
                     out = self._update_request(req, runner, accept, computed_before)
                     if out is not None:
@@ -788,9 +810,7 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _new_prompt_logprobs(
-        req: Request, lp: TokenLogprobs, start: int
-    ) -> TokenLogprobs | None:
+    def _new_prompt_logprobs(req: Request, lp: TokenLogprobs, start: int) -> TokenLogprobs | None:
         """The prompt logprobs of a chunk whose first position is `start` that were not
         sent before (after a preemption, the prefill computes them again); None if none."""
         skip = max(0, req.num_prompt_logprobs_sent - start)
