@@ -81,6 +81,14 @@ def test_bad_flag_value_is_a_clear_error(capsys):
     # (in this process: the value is refused before any engine starts)
     assert main(["generate", "x", "--block-size", "3", *ENGINE]) == 2
     assert "block_size" in capsys.readouterr().err
+    for flag, value in (
+        ("--grace-period", "inf"),
+        ("--grace-period", "-1"),
+        ("--log-level", "debugg"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:  # (argparse: before any engine starts)
+            main(["serve", flag, value, *ENGINE])
+        assert exit_info.value.code == 2 and flag in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="a pseudo-terminal needs POSIX")

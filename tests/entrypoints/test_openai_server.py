@@ -275,6 +275,47 @@ def test_disconnect_mid_stream_aborts_the_request(server):
     )
 
 
+def test_a_client_that_leaves_before_its_answer_aborts_the_request(server):
+    """Not streamed: the client closes its connection while the answer is generated;
+    the request is aborted (far fewer tokens than asked are generated) and its blocks
+    come back."""
+    tokens = "asyncllm_generation_tokens_total"
+    before = server.metrics()[tokens]
+    body = {"model": MODEL, "prompt": "Go on", "max_tokens": 400, "ignore_eos": True}
+    conn = _request(
+        "POST", server.url + "/v1/completions", json.dumps(body).encode(),
+        {"content-type": "application/json"},
+    )  # fmt: skip
+    server.wait_for(lambda: server.metrics()[tokens] > before, "the answer to start")
+    conn.sock.shutdown(2)
+    conn.close()
+    server.wait_for(
+        lambda: (
+            (m := server.metrics())["asyncllm_num_requests_running"] == 0
+            and m["asyncllm_kv_cache_usage_perc"] == 0.0
+        ),
+        "the aborted request's blocks to come back",
+    )
+    assert server.metrics()[tokens] - before < 400
+
+
+def test_routes_sizes_and_nesting_errors_are_openai_errors(server):
+    assert _error(get(server.url + "/v1/nope"), 404)["type"] == "not_found_error"
+    _error(get(server.url + "/v1/completions"), 405)
+    nested = b'{"model": "default", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert "nested" in _error(post(server.url + "/v1/completions", content=nested), 400)["message"]
+    big = b'{"prompt": "' + b"x" * (33 << 20) + b'"}'
+    err = _error(post(server.url + "/v1/completions", content=big), 413)
+    assert err["code"] == "request_too_large"
+    url = server.url + "/v1/completions"
+    for field, value in (("min_p", "x"), ("repetition_penalty", [1]), ("stop_token_ids", [1.5])):
+        assert _error(post(url, json={"prompt": "x", field: value}), 400)["param"] == field
+    opts = {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    assert _error(post(url, json=opts), 400)["param"] == "stream_options"
+    ok = post(url, json={"prompt": "x", "max_tokens": 3, "temperature": 0, "stop_token_ids": [13]})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
 def test_metrics_parse(server):
     server.client().completions.create(model=MODEL, prompt="x", max_tokens=3)
     families = {
@@ -511,3 +552,52 @@ def test_bad_tools_and_formats_are_400s_naming_the_field(server):
         assert err["param"] == param, (extra, err)
     ok = server.client().chat.completions.create(model=MODEL, messages=ASK, max_tokens=2)
     assert ok.usage.completion_tokens == 2
+
+
+def test_an_error_in_one_of_several_streams_is_the_one_reported():
+    """Several prompts streamed: one request fails while another is still being read;
+    the failure (not a complaint about closing the other stream) ends the merge, and
+    every stream is closed."""
+    import asyncio
+
+    from asyncllm.entrypoints.openai.app import _merge
+    from asyncllm.errors import RequestFailedError
+    from asyncllm.outputs import RequestOutput
+
+    closed = []
+
+    async def stream(name: str, fail: bool):
+        try:
+            yield RequestOutput(name, None, [1], [], finished=False)
+            if fail:
+                await asyncio.sleep(0)
+                raise RequestFailedError(f"request {name!r} failed: boom")
+            await asyncio.sleep(30)  # (still being read when the other fails)
+        finally:
+            closed.append(name)
+
+    async def main():
+        streams = [stream("a", False), stream("b", True)]
+        firsts = [await anext(s) for s in streams]
+        with pytest.raises(RequestFailedError, match="boom"):
+            async for _ in _merge(streams, firsts):
+                pass
+
+    asyncio.run(main())
+    assert sorted(closed) == ["a", "b"]
+
+
+def test_chat_logprob_bytes_rebuild_a_character_split_over_tokens(smollm_tokenizer):
+    """A token that holds part of a character (an emoji is several byte-level tokens)
+    gives its own bytes, as OpenAI's do: joined, they are the text's UTF-8."""
+    from asyncllm.entrypoints.openai import responses as R
+    from asyncllm.outputs import CompletionOutput, Logprob
+
+    text = "ok 🎉🎉"
+    ids = smollm_tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.split())  # (the emoji take more than one token each)
+    positions = [{t: Logprob(-0.5, 1, smollm_tokenizer.decode([t]))} for t in ids]
+    c = CompletionOutput(0, text, ids, logprobs=positions)
+    content = R.chat_logprobs(smollm_tokenizer, c, 1)["content"]
+    assert bytes(b for t in content for b in t["bytes"]) == text.encode()
+    assert [t["top_logprobs"][0]["bytes"] for t in content] == [t["bytes"] for t in content]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,17 @@ from asyncllm.cli.args import add_dataclass_flags, dataclass_kwargs
 from asyncllm.config import EngineArgs
 
 BENCHMARKS = ("latency", "throughput", "serving", "startup", "step_profile")
+
+
+def _seconds(text: str) -> float:
+    """A finite, non-negative number of seconds (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -80,11 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--grace-period",
-        type=float,
+        type=_seconds,
         default=10.0,
         help="seconds streams may finish after SIGTERM (default: 10)",
     )
-    p.add_argument("--log-level", default="warning", help="uvicorn's (default: warning)")
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's (default: warning)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     _engine_flags(p)
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from starlette.applications import Starlette
@@ -41,13 +42,23 @@ from asyncllm.outputs import RequestOutput, ToolCall
 from asyncllm.sampling_params import SamplingParams
 
 Handler = Callable[[Request], Awaitable[Response]]
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+MAX_BODY_BYTES = 32 << 20  # (a 128k-token prompt as ids is ~1 MB of JSON)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer: its requests were aborted."""
 
 
 class OpenAIServer:
-    def __init__(self, llm: AsyncLLM, model_name: str, api_key: str | None) -> None:
+    def __init__(
+        self, llm: AsyncLLM, model_name: str, api_key: str | None, max_body_bytes: int
+    ) -> None:
         self.llm = llm
         self.model_name = model_name
         self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
         self.http_requests: Counter[tuple[str, int]] = Counter()
         self.finished: Counter[str] = Counter()
 
@@ -70,6 +81,15 @@ class OpenAIServer:
                 response = await fn(request)
             except OpenAIError as e:
                 response = JSONResponse(e.body(), e.status, headers=e.headers)
+            except RecursionError:  # (a body or message nested past what can be read)
+                response = _error_response(OpenAIError("the request is nested too deeply"))
+            except ClientGone:
+                response = Response(status_code=499)  # (nobody reads it: counted only)
+            except Exception as e:  # noqa: BLE001 (a bug: a 500 in the API's shape)
+                logger.exception("%s failed", request.url.path)
+                response = _error_response(
+                    OpenAIError(f"internal error: {type(e).__name__}", 500, "internal_error")
+                )
             self.http_requests[(request.url.path, response.status_code)] += 1
             return response
 
@@ -85,7 +105,7 @@ class OpenAIServer:
             )
 
     async def _body(self, request: Request) -> dict[str, Any]:
-        raw = await request.body()
+        raw = await self._read_body(request)
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -101,6 +121,51 @@ class OpenAIServer:
                 code="model_not_found",
             )
         return body
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, up to `max_body_bytes` (413 past it, before more is read)."""
+        limit = self.max_body_bytes
+        too_big = OpenAIError(
+            f"the request body is larger than {limit} bytes", 413, code="request_too_large"
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _unless_gone(self, request: Request, work: Awaitable[T], streams: list[Any]) -> T:
+        """`work`'s result, unless the client disconnects first: then `work` is
+        cancelled, every stream closed (its request aborted), and ClientGone raised."""
+        result: list[T] = []
+        error: list[Exception] = []
+        gone = False
+        async with anyio.create_task_group() as group:
+
+            async def watch() -> None:
+                nonlocal gone
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                gone = True
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch)
+            try:  # (raised in here, it would come out wrapped in an ExceptionGroup)
+                result.append(await work)
+            except Exception as e:  # noqa: BLE001 (raised below, as it is)
+                error.append(e)
+            group.cancel_scope.cancel()
+        if error:
+            raise error[0]
+        if gone or not result:
+            await _close(streams)
+            raise ClientGone
+        return result[0]
 
     # -- routes ------------------------------------------------------------------------
 
@@ -127,7 +192,7 @@ class OpenAIServer:
         body = await self._body(request)
         params, opts = sampling_params(body, chat=False)
         prompts = completion_prompts(body)
-        return await self._serve(prompts, params, opts, chat=False, prefix="cmpl")
+        return await self._serve(request, prompts, params, opts, chat=False, prefix="cmpl")
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._body(request)
@@ -143,20 +208,29 @@ class OpenAIServer:
             prompt = await self.llm.render_chat(messages, chat_template_kwargs=kwargs, tools=tools)
         except (ValueError, TypeError) as e:
             raise OpenAIError(str(e), param="messages") from None
-        return await self._serve([prompt], params, opts, chat=True, prefix="chatcmpl")
+        return await self._serve(request, [prompt], params, opts, chat=True, prefix="chatcmpl")
 
     # -- generation --------------------------------------------------------------------
 
     async def _serve(
-        self, prompts: list[Any], params: SamplingParams, opts: Options, chat: bool, prefix: str
+        self,
+        request: Request,
+        prompts: list[Any],
+        params: SamplingParams,
+        opts: Options,
+        chat: bool,
+        prefix: str,
     ) -> Response:
+        """Generates for `prompts`; a client that leaves before the answer (or, streamed,
+        before its first chunk) aborts its requests (the stream's own end does so later)."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
         streams = [self.llm.generate(p, params) for p in prompts]
-        firsts = await _first_outputs(streams)  # errors here are still 400/503s
+        # (errors here are still 400/503s)
+        firsts = await self._unless_gone(request, _first_outputs(streams), streams)
         if opts.stream:
             chunks = self._chunks(rid, streams, firsts, params.n, opts, chat)
             return StreamingResponse(_sse(chunks), media_type="text/event-stream")
-        finals = [f if f.finished else await _last(s) for f, s in zip(firsts, streams)]
+        finals = await self._unless_gone(request, _finals(firsts, streams), streams)
         return JSONResponse(self._response(rid, finals, params.n, opts, chat))
 
     def _response(
@@ -318,8 +392,19 @@ async def _first_outputs(streams: list[AsyncGenerator[RequestOutput, None]]) -> 
 
 
 async def _close(streams: list[AsyncGenerator[RequestOutput, None]]) -> None:
+    """Closes every stream (aborting its request); one that fails to close does not
+    keep the others open."""
     for s in streams:
-        await s.aclose()
+        try:
+            await s.aclose()
+        except Exception:  # noqa: BLE001 (logged: the others still close)
+            logger.exception("a stream did not close cleanly")
+
+
+async def _finals(
+    firsts: list[RequestOutput], streams: list[AsyncGenerator[RequestOutput, None]]
+) -> list[RequestOutput]:
+    return [f if f.finished else await _last(s) for f, s in zip(firsts, streams)]
 
 
 async def _last(stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
@@ -357,9 +442,10 @@ async def _merge(
                     yield i, out
                     if not out.finished:
                         pending[asyncio.ensure_future(anext(live[i]))] = i
-        finally:
+        finally:  # (the reads in flight end before their streams are closed)
             for fut in pending:
                 fut.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
     finally:
         await _close(streams)
 
@@ -374,6 +460,19 @@ async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     yield b"data: [DONE]\n\n"
 
 
+def _error_response(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.body(), e.status, headers=e.headers)
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return _error_response(OpenAIError(f"no route {request.url.path}", 404, "not_found_error"))
+
+
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    error = OpenAIError(f"{request.method} is not allowed on {request.url.path}", 405)
+    return _error_response(error)
+
+
 def _safe_error(e: Exception) -> OpenAIError:
     try:
         return _engine_error(e)
@@ -382,16 +481,23 @@ def _safe_error(e: Exception) -> OpenAIError:
 
 
 def build_app(
-    llm: AsyncLLM, model_name: str | None = None, api_key: str | None = None
+    llm: AsyncLLM,
+    model_name: str | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> Starlette:
     """The OpenAI-compatible API over a started AsyncLLM (the caller owns its life
     cycle). `model_name` is what /v1/models lists and requests must name (default: the
     engine's model, or "default" for the embedded one); with `api_key`, /v1 routes need
-    `Authorization: Bearer <key>`."""
+    `Authorization: Bearer <key>`; a request body past `max_body_bytes` is a 413."""
     if not isinstance(llm, AsyncLLM):
         raise TypeError(f"llm must be an AsyncLLM, got {type(llm).__name__}")
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int):
+        raise TypeError("max_body_bytes must be an int")
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
     name = model_name or llm.args.model or "default"
-    server = OpenAIServer(llm, name, api_key)
+    server = OpenAIServer(llm, name, api_key, max_body_bytes)
     routes = [
         Route("/health", server.route(server.health, v1=False), methods=["GET"]),
         Route("/metrics", server.route(server.metrics, v1=False), methods=["GET"]),
@@ -399,6 +505,6 @@ def build_app(
         Route("/v1/completions", server.route(server.completions), methods=["POST"]),
         Route("/v1/chat/completions", server.route(server.chat_completions), methods=["POST"]),
     ]
-    app = Starlette(routes=routes)
+    app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed})
     app.state.openai_server = server
     return app

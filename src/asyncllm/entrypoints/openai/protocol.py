@@ -72,6 +72,17 @@ def _int(
     return v
 
 
+def _token_ids(body: dict[str, Any], name: str) -> list[int] | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in v
+    ):
+        raise _bad(name, "must be a list of token ids")
+    return v
+
+
 def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
     v = body.get(name)
     if v is None:
@@ -175,6 +186,8 @@ def sampling_params(body: dict[str, Any], chat: bool) -> tuple[SamplingParams, O
         if not stream:
             raise _bad("stream_options", "is only allowed with stream: true")
         include_usage = _bool(stream_options, "include_usage", False)
+        if _bool(stream_options, "continuous_usage_stats", False):
+            raise _bad("stream_options", "continuous_usage_stats is not supported")
     if chat:
         max_tokens = _int(body, "max_completion_tokens", None, low=1)
         if max_tokens is None:
@@ -215,8 +228,13 @@ def sampling_params(body: dict[str, Any], chat: bool) -> tuple[SamplingParams, O
             logprobs=logprobs,
             # vLLM's extra fields
             top_k=_int(body, "top_k", 0) or 0,
+            min_p=_number(body, "min_p", 0.0),
+            repetition_penalty=_number(body, "repetition_penalty", 1.0),
             min_tokens=_int(body, "min_tokens", 0, low=0) or 0,
             ignore_eos=_bool(body, "ignore_eos", False),
+            stop_token_ids=_token_ids(body, "stop_token_ids"),
+            include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+            skip_special_tokens=_bool(body, "skip_special_tokens", True),
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
     except (ValueError, TypeError) as e:

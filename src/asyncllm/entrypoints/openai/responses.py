@@ -2,9 +2,29 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
+from asyncllm.frontend.token_bytes import byte_table
 from asyncllm.outputs import CompletionOutput, PositionLogprobs, ToolCall
+
+# tokenizer -> each token id's bytes (None: not a byte-level tokenizer), built once
+_BYTES: weakref.WeakKeyDictionary[Any, list[bytes] | None] = weakref.WeakKeyDictionary()
+
+
+def _token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
+    """The token's own bytes (a token that is part of a character has part of its
+    UTF-8, which its decoded text cannot give); else its text's UTF-8."""
+    try:
+        if tokenizer not in _BYTES:
+            found = byte_table(tokenizer)
+            _BYTES[tokenizer] = found[0] if found is not None else None
+        table = _BYTES[tokenizer]
+    except TypeError:  # (None, or a tokenizer that takes no weak reference)
+        table = None
+    if table is not None and 0 <= token_id < len(table):
+        return list(table[token_id])
+    return list(text.encode("utf-8"))
 
 
 def _token_text(tokenizer: Any, token_id: int, lp: Any) -> str:
@@ -14,8 +34,13 @@ def _token_text(tokenizer: Any, token_id: int, lp: Any) -> str:
 
 
 def _tops(tokenizer: Any, position: PositionLogprobs, n: int) -> list[tuple[str, float]]:
+    return [(text, lp) for _, text, lp in _ranked(tokenizer, position, n)]
+
+
+def _ranked(tokenizer: Any, position: PositionLogprobs, n: int) -> list[tuple[int, str, float]]:
+    """The position's top `n`: (token id, text, logprob), most likely first."""
     ranked = sorted(position.items(), key=lambda kv: kv[1].rank)[:n]
-    return [(_token_text(tokenizer, t, lp), lp.logprob) for t, lp in ranked]
+    return [(t, _token_text(tokenizer, t, lp), lp.logprob) for t, lp in ranked]
 
 
 def completion_logprobs(
@@ -54,10 +79,10 @@ def chat_logprobs(tokenizer: Any, c: CompletionOutput, top_n: int) -> dict[str, 
             {
                 "token": text,
                 "logprob": lp.logprob if lp is not None else None,
-                "bytes": list(text.encode("utf-8")),
+                "bytes": _token_bytes(tokenizer, tid, text),
                 "top_logprobs": [
-                    {"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
-                    for t, v in _tops(tokenizer, position, top_n)
+                    {"token": t, "logprob": v, "bytes": _token_bytes(tokenizer, i, t)}
+                    for i, t, v in _ranked(tokenizer, position, top_n)
                 ],
             }
         )
