@@ -89,3 +89,56 @@ class RecordLogits(LogitsProcessor):
             prompt, output = self.requests[row]
             self.logits[(prompt, len(output))] = host[i].clone()
         return logits
+
+
+class ForgetsBadly(LogitsProcessor):
+    """Raises on forgetting a row it never tracked (a common bug in user processors)."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        super().__init__(vocab_size, device)
+        self.rows: dict[int, bool] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def add_request(self, row, params, prompt_ids, output_ids) -> None:
+        if (params.extra_args or {}).get("tracked"):
+            self.rows[row] = True
+
+    def remove_request(self, row: int) -> None:
+        del self.rows[row]
+
+    def apply(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return logits
+
+
+class BoostInPlace(LogitsProcessor):
+    """extra_args={'boost': t}: adds 2.5 to token t's logit, in place; {'boom': True}:
+    raises when applied (its request fails, the batch is sampled row by row)."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        super().__init__(vocab_size, device)
+        self.boost: dict[int, int] = {}
+        self.boom: set[int] = set()
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def add_request(self, row, params, prompt_ids, output_ids) -> None:
+        args = params.extra_args or {}
+        if "boost" in args:
+            self.boost[row] = int(args["boost"])
+        if args.get("boom"):
+            self.boom.add(row)
+
+    def remove_request(self, row: int) -> None:
+        self.boost.pop(row, None)
+        self.boom.discard(row)
+
+    def apply(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        for i, row in enumerate(rows):
+            if row in self.boom:
+                raise RuntimeError("boom")
+            if row in self.boost:
+                logits[i, self.boost[row]] += 2.5
+        return logits

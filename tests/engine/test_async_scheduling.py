@@ -262,3 +262,49 @@ def test_a_request_the_runner_refuses_leaves_no_unwritten_block_to_its_prefix_re
         if name == "after":
             assert outs["A"][-1].error is not None
     assert len(runs["alone"]) == 8 and runs["after"] == runs["alone"]
+
+
+def test_a_processor_that_fails_to_forget_a_row_leaves_the_others_clean(tiny_folder):
+    """A user processor raises on forgetting a row: the others still forget it (a
+    forced token does not pass to the row's next request) and the steps go on."""
+    processors = ["tests.engine.processors:ForgetsBadly", "tests.engine.processors:ForceToken"]
+    core = _core(tiny_folder, False, logits_processors=processors)
+    try:
+        forced = _run(core, [_request("forced", _prompt(3, 6), 3, extra_args={"force_token": 7})])
+        assert [t for o in forced["forced"] for t in o.new_token_ids] == [7, 7, 7]
+        plain = [_request(f"plain{i}", _prompt(4, 6), 3) for i in range(2)]
+        outs = {rid: _run(core, [r])[rid] for r in plain for rid in [r.request_id]}
+    finally:
+        core.shutdown()
+    ref_core = _core(tiny_folder, False)
+    try:
+        ref = [
+            t
+            for o in _run(ref_core, [_request("ref", _prompt(4, 6), 3)])["ref"]
+            for t in o.new_token_ids
+        ]
+    finally:
+        ref_core.shutdown()
+    for rid, got in outs.items():
+        assert got[-1].error is None, got[-1].error
+        assert [t for o in got for t in o.new_token_ids] == ref, rid
+
+
+def test_a_batch_sampled_again_row_by_row_starts_from_the_models_logits(tiny_folder):
+    """One request's processor raises: the batch is sampled again row by row, from the
+    logits as the model gave them (not as the failed attempt left them, boosted once
+    already): the other request's tokens and raw logprobs equal those of a run beside a
+    neighbour that does not fail (the same batch)."""
+    processors = ["tests.engine.processors:BoostInPlace"]
+    boosted = dict(extra_args={"boost": 11}, logprobs=2, max_tokens=4)
+    runs = {}
+    for name, args in (("calm", {}), ("failing", {"boom": True})):
+        core = _core(tiny_folder, False, logits_processors=processors)
+        try:
+            mine = _request("mine", _prompt(5, 5), **boosted)
+            outs = _run(core, [mine, _request("other", _prompt(6, 5), 4, extra_args=args)])
+        finally:
+            core.shutdown()
+        runs[name] = [(o.new_token_ids, o.new_logprobs) for o in outs["mine"]]
+        assert (outs["other"][-1].error is not None) == bool(args)
+    assert runs["failing"] == runs["calm"]

@@ -203,3 +203,13 @@ def test_min_tokens_blocks_the_end_unless_nothing_else_is_left():
     for i in range(3):
         block_tokens_(logits[i], [1, 3])
     assert torch.equal(logits, want)
+
+
+def test_a_sampled_token_tied_with_others_ranks_after_them_as_in_vllm():
+    from asyncllm.sample.sampler import gather_logprobs
+
+    logprobs = torch.log_softmax(torch.tensor([[1.0, 3.0, 3.0, 0.5]]), -1)
+    _, _, ranks = gather_logprobs(logprobs, torch.tensor([2]), 0)
+    assert ranks.tolist() == [2]  # (tied with token 1: both count)
+    _, _, ranks = gather_logprobs(logprobs, torch.tensor([0]), 0)
+    assert ranks.tolist() == [3]

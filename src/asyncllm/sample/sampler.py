@@ -53,7 +53,7 @@ class SamplerOutput:
 def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: int):
     """Column 0: the chosen token's logprob; then the n best; and the chosen one's rank."""
     chosen_lp = logprobs.gather(-1, chosen.unsqueeze(-1))
-    ranks = (logprobs > chosen_lp).sum(-1) + 1
+    ranks = (logprobs >= chosen_lp).sum(-1)  # (ties count against it, as in vLLM)
     if n > 0:
         top_lp, top_ids = logprobs.topk(n, dim=-1)
         ids = torch.cat([chosen.unsqueeze(-1), top_ids], -1)
@@ -93,6 +93,8 @@ class Sampler:
     ) -> torch.Tensor:
         if md.logit_bias is not None:
             logits = logits + md.logit_bias
+        elif md.blocked_tokens or self.processors:
+            logits = logits.clone()  # (changed in place below: the caller's stay as they are)
         for i, ids in md.blocked_tokens:
             ops.block_tokens_(logits[i], ids)
         if md.repetition_penalty is not None:

@@ -452,8 +452,18 @@ class ModelRunner:
         """Takes a request out of the persistent batch and the logits processors."""
         state = self.input_batch.remove(req_id)
         if state is not None:
-            for p in self.processors:
-                p.remove_request(state.row)
+            self._forget_row(self.processors, state.row)
+
+    @staticmethod
+    def _forget_row(processors: list[Any], row: int) -> None:
+        """Each processor forgets `row`; one that raises is logged and the others still
+        forget it (else their setting would pass to the row's next request, and the
+        step would fail half applied)."""
+        for p in processors:
+            try:
+                p.remove_request(row)
+            except Exception:  # noqa: BLE001 (a user processor's bug: logged, not fatal)
+                logger.exception("logits processor %s failed to forget row %d", p, row)
 
     def _update_states(self, so: SchedulerOutput) -> dict[str, str]:
         """Brings the persistent batch up to date: drops finished (or preempted)
@@ -518,8 +528,7 @@ class ModelRunner:
                 added.append(p)
         except BaseException:
             self.input_batch.remove(new.req_id)
-            for p in added:
-                p.remove_request(state.row)
+            self._forget_row(added, state.row)
             raise
 
     def _check_new_request(self, new: NewRequestData) -> None:

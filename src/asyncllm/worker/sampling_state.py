@@ -190,7 +190,9 @@ class SamplingState:
                 md.logit_bias = torch.zeros(num_rows, self.vocab_size, device=self.device)
             ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
             vals = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
-            md.logit_bias[i].index_put_((ids.to(self.device),), vals.to(self.device))
+            md.logit_bias[i].index_put_(  # (no stream sync: a staged copy)
+                (ids.to(self.device, non_blocking=True),), vals.to(self.device, non_blocking=True)
+            )
         if num_output < p.min_tokens:
             blocked = list(p.stop_token_ids or ())
             eos = s.eos_token_id
