@@ -632,6 +632,13 @@ def test_compiled_grammars_are_kept_up_to_a_bound_and_matchers_outlive_them(monk
             1,
             0,
         ]
+        # A key evicted while it compiled: its matcher is made, and its grammar dropped
+        late = manager.request(S(regex=r"[x-z]+"))
+        for pattern in (r"[a-c]+", r"[d-f]+"):
+            manager.request(S(regex=pattern))
+        late.future.result()
+        assert late.ready() and late.key not in manager._grammar_ids
+        assert manager._dropped and manager._dropped[-1] == manager._next_grammar - 1
     finally:
         manager.shutdown()
 
@@ -1025,6 +1032,8 @@ def test_an_interrupt_while_a_step_is_awaited_leaves_it_in_flight(
     with pytest.raises(KeyboardInterrupt):
         _run_until_done(core, outs)
     assert core.scheduler.num_steps_in_flight == len(core._in_flight) > 0
+    # (the step in flight gave no tokens to the fill: its matchers take them when applied)
+    assert not core.scheduler._accepted_ahead
     _run_until_done(core, outs)
     final = outs["waited"][-1]
     tokens = [t for o in outs["waited"] for t in o.new_token_ids]
@@ -1037,6 +1046,22 @@ def test_an_interrupt_while_a_step_is_awaited_leaves_it_in_flight(
         assert final.error is None and final.finish_reason == "length" and len(tokens) == 12
     assert core.scheduler.num_steps_in_flight == len(core._in_flight) == 0
     assert core.kv_cache_manager.num_free_blocks == core.num_blocks
+
+
+def test_a_logits_processor_beside_split_constrained_steps_loses_no_token():
+    """A user logits processor (it reads the output ids, so the steps in flight are
+    applied before each sampling) with constrained requests whose steps are split (the
+    step is in flight while it waits for its masks): every token arrives."""
+    with LLM(
+        device="cpu",
+        max_model_len=256,
+        multiprocess=False,
+        logits_processors=["tests.engine.processors:NoRepeat"],
+    ) as llm:
+        outs = llm.generate(["Give digits", "More digits please"], _digits(8, 12), use_tqdm=False)
+    for out in outs:
+        assert re.fullmatch(r"[0-9]{8}", out.outputs[0].text), out.outputs[0]
+        assert out.outputs[0].finish_reason == "stop"
 
 
 def test_a_step_split_over_threads_fills_and_refuses_as_one_call():

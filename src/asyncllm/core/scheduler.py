@@ -603,6 +603,11 @@ class Scheduler:
             and req.num_preemptions == preemptions
         ]
 
+    def accept_when_applied(self, sched: SchedulerOutput) -> None:
+        """The step's tokens go to its matchers when it is applied after all: the fill
+        `plan_grammar_fill` sent ahead of them never got them (its launch failed)."""
+        self._accepted_ahead.discard(id(sched))
+
     def give_grammar_tokens(self, job: FillJob | None, runner: ModelRunnerOutput | None) -> None:
         """Sends `job` (`plan_grammar_fill`'s) the tokens its step ahead sampled
         (`runner`, its output; None: it had none), up to the first that ends a grammar;

@@ -233,7 +233,7 @@ class EngineCore:
         was applied meanwhile, and whether it is the last this call launches."""
         masks_due = not sched.is_empty and self.scheduler.masks_due(sched)
         device = masks_due and self._uses_device_steps()
-        job = ahead = None
+        job = ahead = last = None
         applied = False
         try:
             if masks_due:
@@ -250,6 +250,10 @@ class EngineCore:
             # next step can be sent; unless the device's hand-over is queued)
             if sched.grammar_sync is None or not sched.grammar_sync.given:
                 self.scheduler.give_grammar_tokens(job, None)
+                if last is not None and any(s is last for s, _ in self._in_flight):
+                    # (the step ahead stays in flight, its tokens not given to the fill:
+                    # its matchers accept them when it is applied)
+                    self.scheduler.accept_when_applied(last)
             raise
         if device:
             self._in_flight.append((sched, future))

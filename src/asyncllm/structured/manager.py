@@ -342,9 +342,13 @@ class StructuredOutputManager:
         process = self._get_process()
         gid = self._grammar_ids.get(req.key)
         if gid is None:
-            gid = self._grammar_ids[req.key] = self._next_grammar
+            gid = self._next_grammar
             self._next_grammar += 1
             process.send(["grammar", gid, req.future.result().serialize_json()])
+            if self._cache.get(req.key) is req.future:
+                self._grammar_ids[req.key] = gid
+            else:  # (its key left the cache while it compiled: this matcher's, then dropped)
+                self._dropped.append(gid)
         mid = self._next_matcher
         self._next_matcher += 1
         self._new_matchers.append([mid, gid])

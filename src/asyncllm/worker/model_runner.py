@@ -426,7 +426,7 @@ class ModelRunner:
             # again once this step's event has passed, recorded even if the rest fails.
             so.grammar_bitmask_copied = done
         try:
-            groups, sample_failed = self._sample(inputs, logits)
+            groups, sample_failed = self._sample(inputs, logits, result)
             del logits
         finally:
             if done is not None:
@@ -447,6 +447,13 @@ class ModelRunner:
             self._in_flight.popleft()
             if r is result:
                 return
+
+    def _apply_results_before(self, result: StepResult) -> None:
+        """Applies the results in flight launched before `result` (a split step's own
+        is in flight while it is sampled: applied now, it would have no tokens)."""
+        while self._in_flight and self._in_flight[0] is not result:
+            self._in_flight[0].apply()
+            self._in_flight.popleft()
 
     def _drop(self, req_id: str) -> None:
         """Takes a request out of the persistent batch and the logits processors."""
@@ -811,7 +818,7 @@ class ModelRunner:
         return self._mask_staging
 
     def _sample(
-        self, inputs: StepInputs, logits: torch.Tensor
+        self, inputs: StepInputs, logits: torch.Tensor, result: StepResult
     ) -> tuple[list[SampledGroup], dict[str, str]]:
         """Queues the sampling of one token per sampling request (row k of `logits` is
         `inputs.samples[k]`) and the copy of the tokens to the host. If the batch cannot
@@ -822,7 +829,7 @@ class ModelRunner:
         if not len(inputs.samples):
             return [], failed
         if self.processors:  # they read the output ids: bring them up to date first
-            self.apply_results_through(None)
+            self._apply_results_before(result)
         states = [inputs.states[i] for i in inputs.samples]
         rows = inputs.rows[inputs.samples]
         try:

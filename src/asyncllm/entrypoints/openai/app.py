@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import anyio
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -132,11 +132,14 @@ class OpenAIServer:
         if declared.isdigit() and int(declared) > limit:
             raise too_big
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_big
+                chunks.append(chunk)
+        except ClientDisconnect:  # (gone before its body was in: nothing was started)
+            raise ClientGone from None
         return b"".join(chunks)
 
     async def _unless_gone(self, request: Request, work: Awaitable[T], streams: list[Any]) -> T:
