@@ -185,21 +185,29 @@ async def instant_async():
         yield llm
 
 
+async def _aborted_once_started(llm, params, request_id: str, abort_id: str) -> list:
+    """Every output of a request whose `abort_id` (itself or a child) is aborted once
+    its first output is in."""
+    got = []
+
+    async def run():
+        async for out in llm.generate("y", params, request_id=request_id):
+            got.append(out)
+
+    task = asyncio.create_task(run())
+    while not got:  # (its first output)
+        await asyncio.sleep(0.01)
+    await llm.abort(abort_id)
+    await task
+    return got
+
+
 @pytest.mark.asyncio(loop_scope="module")
 async def test_aborting_a_child_ends_it_and_the_parent_finishes(instant_async):
     llm = instant_async
     params = SamplingParams(n=2, max_tokens=300, ignore_eos=True)
-    got = []
-
-    async def run():
-        async for out in llm.generate("y", params, request_id="y"):
-            got.append(out)
-
-    task = asyncio.create_task(run())
-    while not got:
-        await asyncio.sleep(0.01)
-    await llm.abort("0_y")
-    await task  # ends: child 1 runs to its end, child 0 says "abort"
+    got = await _aborted_once_started(llm, params, "y", "0_y")
+    # (child 1 runs to its end, child 0 says "abort")
     final = got[-1]
     assert final.finished
     reasons = {c.index: c.finish_reason for c in final.outputs}
@@ -212,21 +220,10 @@ async def test_aborting_a_child_ends_it_and_the_parent_finishes(instant_async):
 async def test_aborting_an_n3_delta_request_ends_every_child(instant_async):
     """DELTA with n = 3, the parent aborted: the last output has each child ended with
     'abort' (as vLLM), not only the one the abort looked at last."""
-    llm = instant_async
     params = SamplingParams(
         n=3, max_tokens=300, ignore_eos=True, output_kind=RequestOutputKind.DELTA
     )
-    got = []
-
-    async def run():
-        async for out in llm.generate("z", params, request_id="z"):
-            got.append(out)
-
-    task = asyncio.create_task(run())
-    while not got:
-        await asyncio.sleep(0.01)
-    await llm.abort("z")
-    await task
+    got = await _aborted_once_started(instant_async, params, "z", "z")
     assert got[-1].finished
     reasons = {c.index: c.finish_reason for c in got[-1].outputs}
     assert reasons == {0: "abort", 1: "abort", 2: "abort"}

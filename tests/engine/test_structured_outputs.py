@@ -551,19 +551,24 @@ def test_matchers_accept_a_steps_tokens_at_once_and_name_each_refused_one():
         manager.shutdown()
 
 
-def test_the_matchers_of_ended_requests_are_freed_in_the_grammar_process():
-    """A request's matcher is let go in the grammar process once the request is gone
-    (its id goes with the next message), whatever steps were sent meanwhile."""
-    import copy
-    import gc
-
+def _manager():
+    """A structured output manager for the embedded model's tokenizer."""
     from transformers import AutoTokenizer
 
     from asyncllm.model.source import embedded_model_path
     from asyncllm.structured.manager import StructuredOutputManager
 
     path = str(embedded_model_path())
-    manager = StructuredOutputManager(path, vocab_size=len(AutoTokenizer.from_pretrained(path)))
+    return StructuredOutputManager(path, vocab_size=len(AutoTokenizer.from_pretrained(path)))
+
+
+def test_the_matchers_of_ended_requests_are_freed_in_the_grammar_process():
+    """A request's matcher is let go in the grammar process once the request is gone
+    (its id goes with the next message), whatever steps were sent meanwhile."""
+    import copy
+    import gc
+
+    manager = _manager()
     sent: list = []
     try:
         made: list[int] = []
@@ -647,14 +652,10 @@ def test_after_an_answer_times_out_no_later_answer_is_read_as_another_steps():
     """An answer that did not come in time fails its step and every step sent after it
     (a late answer would be read as the next step's); the manager's caller resets once:
     each failed step says it is news until then, and stale after."""
-    from transformers import AutoTokenizer
 
-    from asyncllm.model.source import embedded_model_path
     from asyncllm.structured.grammar_process import GrammarProcessError
-    from asyncllm.structured.manager import StructuredOutputManager
 
-    path = str(embedded_model_path())
-    manager = StructuredOutputManager(path, vocab_size=len(AutoTokenizer.from_pretrained(path)))
+    manager = _manager()
     try:
         req = manager.request(S(regex=r"[0-9]+"))
         req.future.result()
@@ -742,15 +743,10 @@ def test_a_dead_or_hung_grammar_process_fails_the_step_with_a_clear_error(monkey
     import os
     import signal
 
-    from transformers import AutoTokenizer
-
-    from asyncllm.model.source import embedded_model_path
     from asyncllm.structured import grammar_process
     from asyncllm.structured.grammar_process import GrammarProcessError
-    from asyncllm.structured.manager import StructuredOutputManager
 
-    path = str(embedded_model_path())
-    manager = StructuredOutputManager(path, vocab_size=len(AutoTokenizer.from_pretrained(path)))
+    manager = _manager()
     try:
         a = manager.request(S(regex=r"[0-9]+"))
         a.future.result()

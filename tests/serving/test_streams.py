@@ -246,7 +246,7 @@ async def test_an_id_is_taken_while_its_prompt_is_tokenized(allm):
     allm._setup._pool.submit(held.wait)  # (the setup thread busy: tokenizing waits)
     first = allm.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True), request_id="dup")
     waiting = asyncio.ensure_future(first.__anext__())
-    for _ in range(100):  # (its first steps, up to the tokenizer's wait)
+    while not allm._setup._busy:  # (its first steps, up to the tokenizer's wait)
         await asyncio.sleep(0)
     assert "dup" in allm._collectors
     ids = [1, 2, 3]
