@@ -1132,3 +1132,61 @@ def test_the_frontend_check_builds_each_grammar_once(monkeypatch):
         with pytest.raises(ValueError, match="structured_outputs.regex"):
             grammar.check(StructuredOutputsParams(regex="(unclosed"))
     assert len(built) == 3
+
+
+def test_a_constrained_prefix_reader_of_a_refused_request_keeps_its_grammar_in_step():
+    """A (refused by the runner: a logits processor rejects its arguments) and B
+    (constrained, the same prompt: A's blocks are a prefix-cache hit) share a step. B
+    computes its prefix again and drops that step's token, which async scheduling had
+    already given its matcher for the next fill: its matcher is rebuilt from the tokens
+    B kept, so B's text still matches its regex, as it does alone."""
+    regex = r"([0-9]{2}-){6}[0-9]{2}"
+    good = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=S(regex=regex))
+    bad = SamplingParams(temperature=0.0, max_tokens=5, extra_args={"force_token": "oops"})
+    prompt = "A prompt about rivers, mountains and long forgotten towns. " * 6
+    with LLM(
+        device="cpu",
+        max_model_len=512,
+        multiprocess=False,
+        logits_processors=["tests.engine.processors:ForceToken"],
+    ) as llm:
+        engine, core = llm.engine, llm.engine.client.core
+        assert _async(llm)
+        llm.generate(["Anything else"], good, use_tqdm=False)  # (B's grammar, compiled)
+        engine.add_request("A", prompt, bad)
+        engine.add_request("B", prompt, good)
+        done, errors = {}, []
+        while engine.has_unfinished_requests():
+            try:
+                done.update((o.request_id, o) for o in engine.step() if o.finished)
+            except Exception as e:  # noqa: BLE001 (A's error: raised by the step that ends it)
+                errors.append(e)
+        assert core.scheduler.stats.num_preemptions >= 1  # (B computed its prefix again)
+        assert len(errors) == 1 and "request 'A' failed" in str(errors[0])
+        text = done["B"].outputs[0].text
+        (alone,) = llm.generate([prompt], good, use_tqdm=False)
+        assert re.fullmatch(regex, text), text
+        assert text == alone.outputs[0].text
+        assert core.kv_cache_manager.num_free_blocks == core.num_blocks
+
+
+def test_a_steps_tokens_go_ahead_to_the_matchers_once(inproc_engine):
+    """A step in flight gives its tokens ahead to the next fill's matchers once: a
+    device step whose launch failed after its hand-over was queued left them given, and
+    the next fill must not send them again (its matchers would take each twice)."""
+    core = inproc_engine.engine.client.core
+    inproc_engine.engine.add_request("once", PROMPT, _digits(8, 8))
+    outs: dict = {}
+    for _ in range(50):
+        for o in core.step().outputs:
+            outs.setdefault(o.request_id, []).append(o)
+        if core._in_flight:
+            break
+    last = core._in_flight[-1][0]
+    sched = core.scheduler
+    assert [r.request_id for r, _ in sched._ahead_accepts(last)] == ["once"]
+    assert sched._ahead_accepts(last) == []  # (given already)
+    sched.accept_when_applied(last)  # (the fill never got them: its update accepts them)
+    _run_until_done(core, outs)
+    text = inproc_engine.get_tokenizer().decode([t for o in outs["once"] for t in o.new_token_ids])
+    assert re.fullmatch(r"[0-9]{8}", text), text

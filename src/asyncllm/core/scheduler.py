@@ -387,10 +387,12 @@ class Scheduler:
         self._preempt(victim)
         return victim
 
-    def _recompute_readers(self, blocks: list[KVCacheBlock]) -> None:
+    def _recompute_readers(self, blocks: list[KVCacheBlock], rebuild_matchers: bool) -> None:
         """Preempts the running requests holding any of `blocks` (found in the prefix
         cache, but never written: the request that was to write them failed), so they
-        compute their tokens again; their results in flight are dropped."""
+        compute their tokens again; their results in flight are dropped. Where the step
+        being applied gave its tokens to the matchers ahead (`rebuild_matchers`), a
+        constrained reader's matcher may hold a token dropped here: it is rebuilt."""
         if not blocks:
             return
         unwritten = {id(b) for b in blocks}
@@ -400,6 +402,16 @@ class Scheduler:
         ]:
             self.running.remove(req)
             self._preempt(req)
+            if rebuild_matchers and req.structured is not None:
+                self._rebuild_matcher(req)
+
+    def _rebuild_matcher(self, req: Request) -> None:
+        """Gives `req` a new matcher that accepts the tokens it kept, with the next fill
+        (the old one, and the accepts still queued for it, are let go)."""
+        assert self.structured is not None and req.structured is not None
+        self._accepts = [a for a in self._accepts if a[0] is not req]
+        req.structured = structured = self.structured.renew(req.structured)
+        self._accepts.extend((req, structured, t) for t in req.output_token_ids)
 
     def _preempt(self, victim: Request) -> None:
         """Preempts `victim`, taken out of `running`: its blocks are freed, its progress
@@ -590,8 +602,8 @@ class Scheduler:
         update will keep, as far as is known before it has run (`give_grammar_tokens`
         drops those the runner failed or that ended since), with their constraints."""
         record = self._in_flight.get(id(sched)) if sched is not None else None
-        if record is None or self.structured is None:
-            return []
+        if record is None or self.structured is None or id(sched) in self._accepted_ahead:
+            return []  # (none, or sent ahead already: a device's hand-over that went on)
         self._accepted_ahead.add(id(sched))
         running = RequestStatus.RUNNING
         return [
@@ -738,7 +750,7 @@ class Scheduler:
                     unwritten = self.kv.coordinator.get_blocks(req.request_id)[first:]
                     req.num_computed_tokens = computed_before
                     outputs.append(self._fail(req, ErrorKind.FAILED, reason))
-                    self._recompute_readers(unwritten)
+                    self._recompute_readers(unwritten, rebuild_matchers=not accept)
                 else:
                     out = self._update_request(req, runner, accept, computed_before)
                     if out is not None:

@@ -293,6 +293,13 @@ class StructuredOutputManager:
                 self._dropped.append(gid)
         return StructuredRequest(fut, key, self)
 
+    def renew(self, old: StructuredRequest) -> StructuredRequest:
+        """A new constraint on `old`'s compiled grammar, its matcher at the start (made
+        now, sent with the next step); `old`'s matcher goes once `old` is let go."""
+        new = StructuredRequest(old.future, old.key, self)
+        new.ready()
+        return new
+
     @property
     def stop_token_ids(self) -> frozenset[int]:
         """The tokens that end a grammar: a matcher is terminated once it accepts one
