@@ -683,6 +683,40 @@ def test_after_an_answer_times_out_no_later_answer_is_read_as_another_steps():
         manager.shutdown()
 
 
+def test_an_interrupt_while_an_answer_is_awaited_leaves_it_to_be_read_in_turn():
+    """Ctrl-C while the step's thread waits for a step's answer: the answer is still
+    unread, so that step stays pending and the next wait reads it as that step's (before,
+    it was read as the next step's: its refused tokens named the wrong requests)."""
+    manager = _manager()
+    try:
+        good, bad = manager.request(S(regex=r"[0-9]+")), manager.request(S(regex=r"[a-z]+"))
+        for req in (good, bad):
+            req.future.result()
+            assert req.ready()
+        process = manager._get_process()
+        answer, calls = process.answer, []
+
+        def interrupted_once(timeout=None):
+            calls.append(timeout)
+            if len(calls) == 1:  # (the answer is on its way: the wait is cut)
+                raise KeyboardInterrupt
+            return answer(timeout)
+
+        process.answer = interrupted_once
+        from transformers import AutoTokenizer
+
+        t = AutoTokenizer.from_pretrained(manager.tokenizer_path)
+        one, letter = t.convert_tokens_to_ids("1"), t.convert_tokens_to_ids("a")
+        first = manager.start_fill(None, [], [("first", bad, one)])  # (refused)
+        second = manager.start_fill(None, [], [("second", good, one)])  # (accepted)
+        with pytest.raises(KeyboardInterrupt):
+            second.wait()
+        assert second.wait() == [] and first.wait() == ["first"]
+        assert manager.start_fill(None, [], [("third", bad, letter)]).wait() == []
+    finally:
+        manager.shutdown()
+
+
 def test_a_step_sent_before_its_tokens_waits_for_them_in_the_grammar_process():
     """A step sent with `ahead` accepts (the engine sends it before the tokens of the
     step in flight are known) runs once `give_tokens` brings them: they are accepted

@@ -374,16 +374,18 @@ class StructuredOutputManager:
         fails (the process ended, or an answer timed out: a late one would then be
         read as the next step's), every step sent fails with it; the caller resets."""
         while not job._done:
-            pending = self._pending.popleft()
+            pending = self._pending[0]
             assert self._process is not None and pending.ahead_keys is None
-            pending._done = True
             try:
                 refused = self._process.answer()
-                pending._refused = [pending._keys[i] for i in refused]
             except GrammarProcessError as e:
-                pending._fail(e)
                 while self._pending:
                     self._pending.popleft()._fail(e)
+                return
+            # (only now: interrupted in the wait, the answer is still to read, its own)
+            self._pending.popleft()
+            pending._done = True
+            pending._refused = [pending._keys[i] for i in refused]
 
     @property
     def device_steps(self) -> bool:
