@@ -110,7 +110,7 @@ for s in "$@"; do
         stage "$s-timeline-free" python3 -P benchmarks/structured_timeline.py --batch 64 \
             --steps 200 --free
         stage "$s-throughput" python3 benchmarks/structured_throughput.py --device cuda \
-            --batch 1 64 --repeat 5 ;;
+            --batch 1 64 --max-tokens 64 256 --repeat 5 ;;
     http-serving) stage "$s" python3 benchmarks/http_serving.py --device cuda ;;
     test-gpu) stage "$s" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider ;;
     test-gpu-but-attention) stage "$s" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider --ignore tests/kernels/test_gpu_attention.py ;;
