@@ -100,17 +100,17 @@ for s in "$@"; do
         --load-format dummy --batch 64 ;;
     structured-timeline-free) stage "$s" python3 -P benchmarks/structured_timeline.py \
         --model .whl_a/smol-config --load-format dummy --batch 64 --free ;;
-    # Issue 15's figures in one call (both wheels): the end-to-end GPU test, the batch-64
-    # step on the device and the host (real weights, 200 steps, constrained then free),
-    # then the throughput with the core in its own process
+    # Issue 15's figures in one call (both wheels): the throughput with the core in its
+    # own process, the end-to-end GPU test, then the batch-64 step on the device and the
+    # host (real weights, 200 steps, constrained then free)
     structured-report)
+        stage "$s-throughput" python3 benchmarks/structured_throughput.py --device cuda \
+            --batch 1 64 --max-tokens 64 256 --repeat 5
         stage "$s-test" python3 -m pytest -m gpu -q --timeout 300 -p no:cacheprovider \
             tests/engine/test_gpu_structured.py tests/worker/test_gpu_grammar_handshake.py
         stage "$s-timeline" python3 -P benchmarks/structured_timeline.py --batch 64 --steps 200
         stage "$s-timeline-free" python3 -P benchmarks/structured_timeline.py --batch 64 \
-            --steps 200 --free
-        stage "$s-throughput" python3 benchmarks/structured_throughput.py --device cuda \
-            --batch 1 64 --max-tokens 64 256 --repeat 5 ;;
+            --steps 200 --free ;;
     http-serving) stage "$s" python3 benchmarks/http_serving.py --device cuda ;;
     test-gpu) stage "$s" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider ;;
     test-gpu-but-attention) stage "$s" python3 -m pytest -m gpu -q --timeout 600 -p no:cacheprovider --ignore tests/kernels/test_gpu_attention.py ;;
