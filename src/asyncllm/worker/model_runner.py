@@ -877,28 +877,38 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor | None, prompt_rows: list[PromptLogprobRows]
-    ) -> dict[str, TokenLogprobs]:
-        """Per request, the logprob and rank of each next prompt token, with the top-n;
-        logits in chunks of PROMPT_LOGPROB_CHUNK rows."""
-        out: dict[str, TokenLogprobs] = {}
+    ) -> dict[str, PendingLogprobs]:
+        """Per request, the logprob and rank of each next prompt token, with the top-n
+        (logits in chunks of PROMPT_LOGPROB_CHUNK rows), queued to the host: read once
+        the step's event has passed (`PendingLogprobs.read`), no sync here."""
+        out: dict[str, PendingLogprobs] = {}
         if not prompt_rows:
             return out
         assert hidden is not None  # (steps with prompt logprobs run eager)
         model = self._loaded_model()
         for p in prompt_rows:
-            ids: list = []
-            lps: list = []
-            ranks: list = []
+            parts = []
             for a in range(0, len(p.rows), PROMPT_LOGPROB_CHUNK):
                 rows = torch.from_numpy(p.rows[a : a + PROMPT_LOGPROB_CHUNK]).to(self.device)
                 targets = torch.from_numpy(p.targets[a : a + PROMPT_LOGPROB_CHUNK]).to(self.device)
                 logits = model.compute_logits(hidden.index_select(0, rows)).float()
-                i, lp, r = gather_logprobs(logits.log_softmax(-1), targets, p.num_logprobs)
-                ids += i.tolist()
-                lps += lp.tolist()
-                ranks += r.tolist()
-            out[p.req_id] = TokenLogprobs(ids, lps, ranks)
+                parts.append(gather_logprobs(logits.log_softmax(-1), targets, p.num_logprobs))
+            ids, lps, ranks = (torch.cat(t) if len(t) > 1 else t[0] for t in zip(*parts))
+            out[p.req_id] = PendingLogprobs(_to_host(ids), _to_host(lps), _to_host(ranks))
         return out
+
+
+@dataclass
+class PendingLogprobs:
+    """A request's prompt logprobs on their way to the host (`_to_host`)."""
+
+    ids: torch.Tensor  # [positions, 1 + n] int64
+    logprobs: torch.Tensor  # [positions, 1 + n] float32
+    ranks: torch.Tensor  # [positions] int64
+
+    def read(self) -> TokenLogprobs:
+        """Once the copies have run (the step's event)."""
+        return TokenLogprobs(self.ids.tolist(), self.logprobs.tolist(), self.ranks.tolist())
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -930,7 +940,7 @@ class StepResult:
         runner: ModelRunner,
         groups: list[SampledGroup],
         failed: dict[str, str],
-        prompt_logprobs: dict[str, TokenLogprobs],
+        prompt_logprobs: dict[str, PendingLogprobs],
         done: torch.cuda.Event | None,
     ) -> None:
         self._runner = runner
@@ -987,7 +997,7 @@ class StepResult:
         self._output = ModelRunnerOutput(
             sampled_token_ids=sampled,
             logprobs=logprobs,
-            prompt_logprobs=self._prompt_logprobs,
+            prompt_logprobs={rid: p.read() for rid, p in self._prompt_logprobs.items()},
             failed=self._failed,
         )
         self._groups = []
