@@ -1078,6 +1078,47 @@ def test_an_interrupt_while_a_step_is_awaited_leaves_it_in_flight(
     assert core.kv_cache_manager.num_free_blocks == core.num_blocks
 
 
+def test_an_interrupt_once_a_steps_tokens_went_ahead_keeps_that_step(inproc_engine, monkeypatch):
+    """A Ctrl-C just after the step in flight gave its tokens to the next fill: that
+    step stays in flight and is applied once (its tokens not accepted again), the step
+    being launched is retired, every block comes back, and the grammar process serves
+    the next request."""
+    import time
+
+    from asyncllm.messages import EngineCoreRequest
+
+    core = inproc_engine.engine.client.core
+    give, calls = core.scheduler.give_grammar_tokens, []
+
+    def interrupted(job, runner):
+        give(job, runner)
+        if job is not None and runner is not None:
+            calls.append(job)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(core.scheduler, "give_grammar_tokens", interrupted)
+    params = _digits(12, 12)
+    core.add_request(EngineCoreRequest("cut", [1, 2, 3, 4], params, 2, 12, time.monotonic()))
+    outs: dict[str, list] = {}
+    with pytest.raises(KeyboardInterrupt):
+        _run_until_done(core, outs)
+    monkeypatch.setattr(core.scheduler, "give_grammar_tokens", give)
+    assert core.scheduler.num_steps_in_flight == len(core._in_flight) > 0
+    _run_until_done(core, outs)
+    final = outs["cut"][-1]
+    assert final.error is not None and "interrupted" in final.error.message
+    assert re.fullmatch("[0-9]+", _decoded(inproc_engine, outs["cut"]))
+    assert core.scheduler.num_steps_in_flight == len(core._in_flight) == 0
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks
+    core.add_request(
+        EngineCoreRequest("next", [1, 2, 3, 4], _digits(5, 10), 2, 8, time.monotonic())
+    )
+    _run_until_done(core, outs)
+    assert outs["next"][-1].finish_reason == "stop"
+    assert re.fullmatch(r"[0-9]{5}", _decoded(inproc_engine, outs["next"]))
+
+
 def test_a_logits_processor_beside_split_constrained_steps_loses_no_token():
     """A user logits processor (it reads the output ids, so the steps in flight are
     applied before each sampling) with constrained requests whose steps are split (the

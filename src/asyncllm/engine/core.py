@@ -249,8 +249,10 @@ class EngineCore:
             # (the grammar process waits for the job's tokens: it gets none, and the
             # next step can be sent; unless the device's hand-over is queued)
             if sched.grammar_sync is None or not sched.grammar_sync.given:
+                given = job is not None and job.tokens_sent  # (interrupted just after)
                 self.scheduler.give_grammar_tokens(job, None)
-                if last is not None and any(s is last for s, _ in self._in_flight):
+                stays = last is not None and any(s is last for s, _ in self._in_flight)
+                if stays and not given:
                     # (the step ahead stays in flight, its tokens not given to the fill:
                     # its matchers accept them when it is applied)
                     self.scheduler.accept_when_applied(last)
@@ -326,8 +328,8 @@ class EngineCore:
             return None
         before, before_future = self._in_flight[0]
         ahead = (before, before_future.result())
-        self._in_flight.popleft()  # (only now: interrupted in the wait, it stays in flight)
         self.scheduler.give_grammar_tokens(job, ahead[1])
+        self._in_flight.popleft()  # (only now: interrupted before, it stays in flight)
         return ahead
 
     def _apply_ahead(

@@ -94,6 +94,7 @@ class FillJob:
         "_sent_to",
         "seq",
         "sent_at",
+        "tokens_sent",
     )
 
     def __init__(
@@ -112,6 +113,7 @@ class FillJob:
         self._done = manager is None
         # The keys of the accepts whose tokens are still to come (None: none are).
         self.ahead_keys = ahead_keys
+        self.tokens_sent = False  # (`give_tokens` has sent them)
         # The grammar process it was sent to (see `stale`)
         self._sent_to = None if manager is None else manager._process
 
@@ -137,6 +139,7 @@ class FillJob:
         for key, toks in zip(keys, tokens):
             self._keys.extend([key] * len(toks))
         self._manager._send_tokens(self, tokens)
+        self.tokens_sent = True
 
     def release_tokens(self) -> None:
         """A device job whose tokens the device will not give (its step did not launch):
