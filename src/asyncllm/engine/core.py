@@ -251,8 +251,7 @@ class EngineCore:
             if sched.grammar_sync is None or not sched.grammar_sync.given:
                 given = job is not None and job.tokens_sent  # (interrupted just after)
                 self.scheduler.give_grammar_tokens(job, None)
-                stays = last is not None and any(s is last for s, _ in self._in_flight)
-                if stays and not given:
+                if last is not None and not given and any(s is last for s, _ in self._in_flight):
                     # (the step ahead stays in flight, its tokens not given to the fill:
                     # its matchers accept them when it is applied)
                     self.scheduler.accept_when_applied(last)
