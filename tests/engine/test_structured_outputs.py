@@ -1228,14 +1228,21 @@ def test_a_constrained_prefix_reader_of_a_refused_request_keeps_its_grammar_in_s
         engine, core = llm.engine, llm.engine.client.core
         assert _async(llm)
         llm.generate(["Anything else"], good, use_tqdm=False)  # (B's grammar, compiled)
-        engine.add_request("A", prompt, bad)
-        engine.add_request("B", prompt, good)
-        done, errors = {}, []
-        while engine.has_unfinished_requests():
-            try:
-                done.update((o.request_id, o) for o in engine.step() if o.finished)
-            except Exception as e:  # noqa: BLE001 (A's error: raised by the step that ends it)
-                errors.append(e)
+
+        def run(a: str, b: str, prompt: str) -> tuple[dict, list]:
+            engine.add_request(a, prompt, bad)
+            engine.add_request(b, prompt, good)
+            done, errors = {}, []
+            for _ in range(200):
+                if not engine.has_unfinished_requests():
+                    return done, errors
+                try:
+                    done.update((o.request_id, o) for o in engine.step() if o.finished)
+                except Exception as e:  # noqa: BLE001 (A's error: raised by the step ending it)
+                    errors.append(e)
+            raise AssertionError(f"still unfinished after 200 steps: {errors[-3:]}")
+
+        done, errors = run("A", "B", prompt)
         assert core.scheduler.stats.num_preemptions >= 1  # (B computed its prefix again)
         assert len(errors) == 1 and "request 'A' failed" in str(errors[0])
         text = done["B"].outputs[0].text
@@ -1243,6 +1250,21 @@ def test_a_constrained_prefix_reader_of_a_refused_request_keeps_its_grammar_in_s
         assert re.fullmatch(regex, text), text
         assert text == alone.outputs[0].text
         assert core.kv_cache_manager.num_free_blocks == core.num_blocks
+
+        # the new matcher cannot be made (the grammar process is lost): B ends with that
+        from asyncllm.structured.grammar_process import GrammarProcessError
+
+        def lost(old):
+            raise GrammarProcessError("the grammar process has ended (test)")
+
+        core.structured.renew = lost
+        done, errors = run("A2", "B2", "Another prompt, about harbours and their ships. " * 6)
+        assert {str(e).split(":")[0] for e in errors} >= {"request 'A2' failed"}
+        assert any("B2" in str(e) and "has ended (test)" in str(e) for e in errors), errors
+        assert core.kv_cache_manager.num_free_blocks == core.num_blocks
+        del core.structured.renew
+        (after,) = llm.generate([prompt], good, use_tqdm=False)
+        assert after.outputs[0].text == alone.outputs[0].text
 
 
 def test_a_steps_tokens_go_ahead_to_the_matchers_once(inproc_engine):

@@ -410,7 +410,11 @@ class Scheduler:
         (the old one, and the accepts still queued for it, are let go)."""
         assert self.structured is not None and req.structured is not None
         self._accepts = [a for a in self._accepts if a[0] is not req]
-        req.structured = structured = self.structured.renew(req.structured)
+        try:
+            req.structured = structured = self.structured.renew(req.structured)
+        except GrammarProcessError as e:  # (its matcher could not be made: it ends)
+            self._grammar_process_lost(e)
+            return
         self._accepts.extend((req, structured, t) for t in req.output_token_ids)
 
     def _preempt(self, victim: Request) -> None:
