@@ -987,6 +987,24 @@ def test_an_interrupt_while_a_fill_waits_for_its_tokens_leaves_the_grammar_proce
         assert core.kv_cache_manager.num_free_blocks == core.num_blocks
 
 
+def _idle_and_serving(llm: LLM, outs: dict) -> None:
+    """The in-process core has no step in flight and every block back, and a new
+    constrained request (id 'after') still gets a valid answer."""
+    import time
+
+    from asyncllm.messages import EngineCoreRequest
+
+    core = llm.engine.client.core
+    assert core.scheduler.num_steps_in_flight == len(core._in_flight) == 0
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks
+    core.add_request(
+        EngineCoreRequest("after", [1, 2, 3, 4], _digits(5, 10), 2, 8, time.monotonic())
+    )
+    _run_until_done(core, outs)
+    assert outs["after"][-1].finish_reason == "stop"
+    assert re.fullmatch(r"[0-9]{5}", _decoded(llm, outs["after"]))
+
+
 @pytest.mark.parametrize("structured", [False, True], ids=["free", "constrained"])
 def test_a_step_that_fails_before_its_launch_is_retired(inproc_engine, monkeypatch, structured):
     """An error while a scheduled step is launched: the core's step raises it, the
@@ -1021,14 +1039,7 @@ def test_a_step_that_fails_before_its_launch_is_retired(inproc_engine, monkeypat
     final = outs["doomed"][-1]
     assert final.error is not None and "interrupted" in final.error.message
     assert len([t for o in outs["doomed"] for t in o.new_token_ids]) < 30
-    assert core.scheduler.num_steps_in_flight == len(core._in_flight) == 0
-    assert core.kv_cache_manager.num_free_blocks == core.num_blocks
-    core.add_request(
-        EngineCoreRequest("after", [1, 2, 3, 4], _digits(5, 10), 2, 8, time.monotonic())
-    )
-    _run_until_done(core, outs)
-    assert outs["after"][-1].finish_reason == "stop"
-    assert re.fullmatch(r"[0-9]{5}", _decoded(inproc_engine, outs["after"]))
+    _idle_and_serving(inproc_engine, outs)
 
 
 @pytest.mark.parametrize("structured", [False, True], ids=["free", "constrained"])
@@ -1109,14 +1120,7 @@ def test_an_interrupt_once_a_steps_tokens_went_ahead_keeps_that_step(inproc_engi
     final = outs["cut"][-1]
     assert final.error is not None and "interrupted" in final.error.message
     assert re.fullmatch("[0-9]+", _decoded(inproc_engine, outs["cut"]))
-    assert core.scheduler.num_steps_in_flight == len(core._in_flight) == 0
-    assert core.kv_cache_manager.num_free_blocks == core.num_blocks
-    core.add_request(
-        EngineCoreRequest("next", [1, 2, 3, 4], _digits(5, 10), 2, 8, time.monotonic())
-    )
-    _run_until_done(core, outs)
-    assert outs["next"][-1].finish_reason == "stop"
-    assert re.fullmatch(r"[0-9]{5}", _decoded(inproc_engine, outs["next"]))
+    _idle_and_serving(inproc_engine, outs)
 
 
 def test_a_logits_processor_beside_split_constrained_steps_loses_no_token():

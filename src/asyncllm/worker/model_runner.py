@@ -893,7 +893,7 @@ class ModelRunner:
                 targets = torch.from_numpy(p.targets[a : a + PROMPT_LOGPROB_CHUNK]).to(self.device)
                 logits = model.compute_logits(hidden.index_select(0, rows)).float()
                 parts.append(gather_logprobs(logits.log_softmax(-1), targets, p.num_logprobs))
-            ids, lps, ranks = (torch.cat(t) if len(t) > 1 else t[0] for t in zip(*parts))
+            ids, lps, ranks = (torch.cat(t) for t in zip(*parts))
             out[p.req_id] = PendingLogprobs(_to_host(ids), _to_host(lps), _to_host(ranks))
         return out
 
