@@ -13,6 +13,7 @@ from transformers.generation.logits_process import (
 )
 
 from asyncllm.sample import ops
+from asyncllm.sample.logits_processor import LogitsProcessor
 from asyncllm.sample.sampler import Sampler, SamplingMetadata
 
 V = 300
@@ -213,3 +214,49 @@ def test_a_sampled_token_tied_with_others_ranks_after_them_as_in_vllm():
     assert ranks.tolist() == [2]  # (tied with token 1: both count)
     _, _, ranks = gather_logprobs(logprobs, torch.tensor([0]), 0)
     assert ranks.tolist() == [3]
+
+
+class _Seen(LogitsProcessor):
+    """Keeps a copy of the logits it is given; changes nothing."""
+
+    def __init__(self, invariant: bool) -> None:
+        super().__init__(V, torch.device("cpu"))
+        self.invariant = invariant
+        self.seen: list[torch.Tensor] = []
+
+    def is_argmax_invariant(self) -> bool:
+        return self.invariant
+
+    def apply(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        self.seen.append(logits.clone())
+        return logits
+
+
+def test_user_processors_run_where_vllm_runs_them():
+    """Argmax-changing processors: after logit bias, before the repetition penalty;
+    argmax-invariant ones: after temperature and min-p, and only with a random row."""
+    x = _logits(7, rows=2)
+    changing, invariant = _Seen(False), _Seen(True)
+    bias = torch.zeros(2, V)
+    bias[:, 3] = 4.0
+    temperature, min_p = torch.tensor([0.5, 2.0]), torch.tensor([0.1, 0.0])
+    md = SamplingMetadata(
+        temperature=temperature,
+        is_greedy=torch.tensor([False, True]),
+        all_greedy=False,
+        min_p=min_p,
+        repetition_penalty=torch.tensor([1.3, 1.3]),
+        seen_mask=torch.ones(2, V, dtype=torch.bool),
+        logit_bias=bias,
+        rows=[0, 1],
+    )
+    Sampler([invariant, changing])(x.clone(), md)
+    assert len(changing.seen) == 1 and torch.allclose(changing.seen[0], x + bias)
+    penalized = ops.apply_repetition_penalty(x + bias, md.seen_mask, md.repetition_penalty)
+    want = ops.apply_min_p(penalized / temperature.unsqueeze(-1), min_p)
+    assert len(invariant.seen) == 1
+    _same(invariant.seen[0], want)
+
+    greedy = SamplingMetadata(temperature=None, is_greedy=None, all_greedy=True, rows=[0, 1])
+    Sampler([invariant, changing])(x.clone(), greedy)
+    assert len(changing.seen) == 2 and len(invariant.seen) == 1

@@ -11,7 +11,10 @@ A processor is a class; the engine makes one instance at start:
 
 `rows[i]` is the persistent-batch row of logits row i; per-request settings come from
 `params.extra_args` (plain data: nothing is pickled). `output_ids` is a live list that
-grows as the request generates. Greedy batches skip argmax-invariant processors.
+grows as the request generates. As in vLLM, processors that can change the argmax see
+the logits after logit bias and min_tokens, before the penalties; argmax-invariant ones
+see them after temperature and min-p, before top-k/top-p, and only in batches with a
+random row (greedy-only batches skip them).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Token selection for a batch of requests, on the device, without per-request syncs.
 
-Order: raw logprobs (if asked) from the model's logits; then logit bias, min_tokens
-(EOS and stop tokens masked, unless nothing else is left: a grammar at its end),
-repetition / presence / frequency penalties, user
-processors; then greedy argmax, or temperature, min-p, top-k, top-p and a draw.
+Order (vLLM's): raw logprobs (if asked) from the model's logits; then logit bias,
+min_tokens (EOS and stop tokens masked, unless nothing else is left: a grammar at its
+end), the user processors that can change the argmax, repetition / presence / frequency
+penalties; then greedy argmax, or temperature, min-p, the argmax-invariant user
+processors, top-k, top-p and a draw (greedy-only batches never call the invariant ones).
 Random draws use the exponential-race trick (argmax of p / E with E ~ Exp(1)), taken in
 log space, argmax(logits / T - log E), so no softmax is computed; one row of noise per
 request: seeded requests draw theirs from their own generator, so their tokens do not
@@ -65,7 +66,9 @@ def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: int):
 
 class Sampler:
     def __init__(self, processors: list[LogitsProcessor] | None = None) -> None:
-        self.processors = processors or []
+        processors = processors or []
+        self.argmax_changing = [p for p in processors if not p.is_argmax_invariant()]
+        self.argmax_invariant = [p for p in processors if p.is_argmax_invariant()]
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
@@ -93,10 +96,12 @@ class Sampler:
     ) -> torch.Tensor:
         if md.logit_bias is not None:
             logits = logits + md.logit_bias
-        elif md.blocked_tokens or self.processors:
+        elif md.blocked_tokens or self.argmax_changing:
             logits = logits.clone()  # (changed in place below: the caller's stay as they are)
         for i, ids in md.blocked_tokens:
             ops.block_tokens_(logits[i], ids)
+        for proc in self.argmax_changing:
+            logits = proc.apply(logits, md.rows)
         if md.repetition_penalty is not None:
             assert md.seen_mask is not None, "a repetition penalty needs seen_mask"
             logits = ops.apply_repetition_penalty(logits, md.seen_mask, md.repetition_penalty)
@@ -107,10 +112,6 @@ class Sampler:
             logits = ops.apply_presence_frequency(
                 logits, md.output_counts, md.presence_penalty, md.frequency_penalty
             )
-        for proc in self.processors:
-            if md.all_greedy and proc.is_argmax_invariant():
-                continue
-            logits = proc.apply(logits, md.rows)
         return logits
 
     def sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -118,6 +119,8 @@ class Sampler:
         logits = logits / md.temperature.unsqueeze(-1)
         if md.min_p is not None:
             logits = ops.apply_min_p(logits, md.min_p)
+        for proc in self.argmax_invariant:
+            logits = proc.apply(logits, md.rows)
         if md.top_k is not None:
             logits = ops.apply_top_k(logits, md.top_k)
         if md.top_p is not None:
