@@ -89,10 +89,12 @@ class LLM:
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
         frontend = self.engine.frontend
-        params_list = [
-            frontend.check_params(p).clone(output_kind=RequestOutputKind.FINAL_ONLY)
-            for p in params_list
-        ]
+        checked: dict[int, SamplingParams] = {}  # (one check and copy for a shared object)
+        for p in params_list:
+            if id(p) not in checked:
+                final = frontend.check_params(p).clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                checked[id(p)] = final
+        params_list = [checked[id(p)] for p in params_list]
         tokenized = frontend.tokenize_prompts(prompt_list)  # the texts in one call
         for result in tokenized:
             if isinstance(result, Exception):
