@@ -1089,6 +1089,42 @@ def test_an_interrupt_while_a_step_is_awaited_leaves_it_in_flight(
     assert core.kv_cache_manager.num_free_blocks == core.num_blocks
 
 
+def test_an_interrupt_while_prompt_logprobs_are_read_applies_the_step_once(
+    inproc_engine, monkeypatch
+):
+    """A Ctrl-C while a step's prompt logprobs are read to lists (milliseconds for a
+    long prompt): the step stays in flight and is applied once later, so the request's
+    tokens are those of a run without the interrupt."""
+    import time
+
+    from asyncllm.messages import EngineCoreRequest
+    from asyncllm.worker.model_runner import PendingLogprobs
+
+    core = inproc_engine.engine.client.core
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    prompt = [1, 504, 3437, 314, 260, 1345, 30, 2, 3, 4]
+    outs: dict[str, list] = {}
+    core.add_request(EngineCoreRequest("whole", prompt, params, 2, 8, time.monotonic()))
+    _run_until_done(core, outs)
+    read, calls = PendingLogprobs.read, []
+
+    def interrupted(self):
+        calls.append(self)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return read(self)
+
+    monkeypatch.setattr(PendingLogprobs, "read", interrupted)
+    core.add_request(EngineCoreRequest("cut", prompt, params, 2, 8, time.monotonic()))
+    with pytest.raises(KeyboardInterrupt):
+        _run_until_done(core, outs)
+    _run_until_done(core, outs)
+    tokens = {rid: [t for o in outs[rid] for t in o.new_token_ids] for rid in ("whole", "cut")}
+    assert len(tokens["whole"]) == 8 and tokens["cut"] == tokens["whole"]
+    assert outs["cut"][-1].error is None
+    _idle_and_serving(inproc_engine, outs)
+
+
 def test_an_interrupt_once_a_steps_tokens_went_ahead_keeps_that_step(inproc_engine, monkeypatch):
     """A Ctrl-C just after the step in flight gave its tokens to the next fill: that
     step stays in flight and is applied once (its tokens not accepted again), the step

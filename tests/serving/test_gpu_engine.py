@@ -75,3 +75,32 @@ def test_async_llm_on_cuda(tiny_folder):
 
     results = asyncio.run(main())
     assert [len(r) for r in results] == [16] * 5
+
+
+def test_prompt_logprobs_on_cuda_equal_transformers(tiny_folder):
+    """Prompt logprobs, queued to pinned memory behind the step's event, equal the
+    log-softmax of the reference model's logits: each prompt token's and the top 3."""
+    folder, ref = tiny_folder
+    prompts = _prompts()
+    with LLM(
+        str(folder),
+        device="cuda",
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=512,
+        gpu_memory_utilization=0.3,
+    ) as llm:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3),
+            use_tqdm=False,
+        )
+    for prompt, out in zip(prompts, outs):
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        with torch.no_grad():
+            want = ref(torch.tensor([prompt], device="cuda")).logits[0].float().log_softmax(-1)
+        for p in range(1, len(prompt)):
+            got, row = out.prompt_logprobs[p], want[p - 1]
+            assert abs(got[prompt[p]].logprob - row[prompt[p]].item()) <= 2e-3
+            top = sorted((lp.logprob for lp in got.values()), reverse=True)[:3]
+            assert torch.allclose(torch.tensor(top), row.topk(3).values.cpu(), atol=2e-3)

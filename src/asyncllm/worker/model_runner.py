@@ -401,7 +401,7 @@ class ModelRunner:
         logprobs and the copies to the host."""
         result.finish = None
         done = torch.cuda.Event() if self.device.type == "cuda" else None
-        # (first: they wait for the device, which a device step's wait below would hold)
+        # (queued before the masking: nothing in them waits for the host)
         prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)
         staged = False
         if so.grammar_sync is not None:
@@ -888,9 +888,10 @@ class ModelRunner:
         model = self._loaded_model()
         for p in prompt_rows:
             parts = []
+            all_rows, all_targets = (_to_device(a, self.device) for a in (p.rows, p.targets))
             for a in range(0, len(p.rows), PROMPT_LOGPROB_CHUNK):
-                rows = torch.from_numpy(p.rows[a : a + PROMPT_LOGPROB_CHUNK]).to(self.device)
-                targets = torch.from_numpy(p.targets[a : a + PROMPT_LOGPROB_CHUNK]).to(self.device)
+                rows = all_rows[a : a + PROMPT_LOGPROB_CHUNK]
+                targets = all_targets[a : a + PROMPT_LOGPROB_CHUNK]
                 logits = model.compute_logits(hidden.index_select(0, rows)).float()
                 parts.append(gather_logprobs(logits.log_softmax(-1), targets, p.num_logprobs))
             ids, lps, ranks = (torch.cat(t) for t in zip(*parts))
@@ -909,6 +910,15 @@ class PendingLogprobs:
     def read(self) -> TokenLogprobs:
         """Once the copies have run (the step's event)."""
         return TokenLogprobs(self.ids.tolist(), self.logprobs.tolist(), self.ranks.tolist())
+
+
+def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Queues a copy of host data to `device` through pinned memory, so the host does
+    not wait for the stream (the host allocator keeps the pinned copy until it ran)."""
+    t = torch.from_numpy(a)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -973,6 +983,10 @@ class StepResult:
         requests = batch.requests
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, TokenLogprobs] = {}
+        # Everything is read to the host first (prompt logprobs may take milliseconds):
+        # an interrupt meanwhile leaves the batch as it was, and the step in flight.
+        prompt_logprobs = {rid: p.read() for rid, p in self._prompt_logprobs.items()}
+        takes = []
         for g in self._groups:
             tokens = g.tokens.tolist()
             states = g.states
@@ -988,16 +1002,17 @@ class StepResult:
                         )
             live = [requests.get(rid) is s for rid, s in zip(ids, states)]
             if all(live):
-                batch.take_sampled_tokens(states, g.rows, tokens)
+                takes.append((states, g.rows, tokens))
             elif any(live):  # (some were dropped meanwhile: their rows are not theirs now)
                 keep = np.flatnonzero(live)
-                batch.take_sampled_tokens(
-                    [states[k] for k in keep], g.rows[keep], [tokens[k] for k in keep]
-                )
-        self._output = ModelRunnerOutput(
+                takes.append(([states[k] for k in keep], g.rows[keep], [tokens[k] for k in keep]))
+        output = ModelRunnerOutput(
             sampled_token_ids=sampled,
             logprobs=logprobs,
-            prompt_logprobs={rid: p.read() for rid, p in self._prompt_logprobs.items()},
+            prompt_logprobs=prompt_logprobs,
             failed=self._failed,
         )
+        for take in takes:
+            batch.take_sampled_tokens(*take)
+        self._output = output
         self._groups = []
