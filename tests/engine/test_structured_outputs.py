@@ -1125,6 +1125,45 @@ def test_an_interrupt_while_prompt_logprobs_are_read_applies_the_step_once(
     _idle_and_serving(inproc_engine, outs)
 
 
+@pytest.mark.parametrize("structured", [False, True], ids=["free", "constrained"])
+def test_an_interrupt_while_a_launched_step_is_sampled_fails_its_requests(
+    inproc_engine, monkeypatch, structured
+):
+    """A Ctrl-C once a step's forward is queued, while its sampling is (a constrained
+    step's sampling waits for its masks, so it runs later than its launch): the step's
+    requests end with an error saying so, rather than being left without their tokens,
+    no step stays in flight, and every block comes back."""
+    import time
+
+    from asyncllm.messages import EngineCoreRequest
+    from asyncllm.worker.model_runner import ModelRunner
+
+    core = inproc_engine.engine.client.core
+    sample, calls = ModelRunner._sample, []
+
+    def interrupted(self, *args):
+        calls.append(self)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return sample(self, *args)
+
+    monkeypatch.setattr(ModelRunner, "_sample", interrupted)
+    so = S(regex="[0-9]{12}") if structured else None
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, structured_outputs=so)
+    core.add_request(EngineCoreRequest("sampled", [1, 2, 3, 4], params, 2, 12, time.monotonic()))
+    outs: dict[str, list] = {}
+    with pytest.raises(KeyboardInterrupt):
+        _run_until_done(core, outs)
+    _run_until_done(core, outs)
+    final = outs["sampled"][-1]
+    assert final.error is not None and "interrupted" in final.error.message
+    tokens = [t for o in outs["sampled"] for t in o.new_token_ids]
+    assert 0 < len(tokens) < 12
+    if structured:
+        assert re.fullmatch("[0-9]+", _decoded(inproc_engine, outs["sampled"]))
+    _idle_and_serving(inproc_engine, outs)
+
+
 def test_an_interrupt_once_a_steps_tokens_went_ahead_keeps_that_step(inproc_engine, monkeypatch):
     """A Ctrl-C just after the step in flight gave its tokens to the next fill: that
     step stays in flight and is applied once (its tokens not accepted again), the step
