@@ -16,6 +16,7 @@ import time
 
 from asyncllm import AsyncLLM, RequestOutputKind, SamplingParams
 from asyncllm.bench.host import rss_mb
+from asyncllm.engine.core_main import TRIM_AFTER_IDLE_S
 
 WORDS = "the of and to in a is that for it as was with be by on not he this are or".split()
 
@@ -50,10 +51,11 @@ async def main() -> None:
         for w in range(args.waves):
             t = time.perf_counter()
             tokens = await wave(llm, args.requests, rng)
-            # A stats call is answered once the core has gone idle (and returned its freed
-            # heap memory): the RSS below is the idle core's.
+            # A stats call is answered once the core has gone idle; it returns its freed
+            # heap memory once idle for TRIM_AFTER_IDLE_S: the RSS below is the idle core's.
             stats = await llm.get_stats()
             assert stats["num_running"] == stats["num_waiting"] == 0, stats
+            await asyncio.sleep(TRIM_AFTER_IDLE_S + 1.0)
             rows.append(
                 {
                     "wave": w + 1,

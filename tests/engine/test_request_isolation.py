@@ -367,6 +367,52 @@ def test_the_core_loop_goes_to_sleep_after_requests_it_cannot_schedule(instant_l
     assert core.kv_cache_manager.num_free_blocks == core.num_blocks
 
 
+@pytest.mark.parametrize("idle_s", [0.0, 3600.0], ids=["trims", "next-work-first"])
+def test_the_core_trims_its_heap_only_once_idle_for_a_while(instant_llm, monkeypatch, idle_s):
+    """The heap trim (milliseconds; it holds the allocator's locks) waits until no work
+    came for TRIM_AFTER_IDLE_S: work that comes back sooner runs without one in front
+    of it, and a core left idle trims once."""
+    from asyncllm.engine import core_main
+    from asyncllm.engine.core_main import EngineCoreProc, _Control, _Stop
+
+    trims: list[float] = []
+    trimmed = threading.Event()
+
+    def trim() -> bool:
+        trims.append(time.monotonic())
+        trimmed.set()
+        return True
+
+    monkeypatch.setattr(core_main, "trim_heap", trim)
+    monkeypatch.setattr(core_main, "TRIM_AFTER_IDLE_S", idle_s, raising=False)
+    core = _core(instant_llm)
+    proc = EngineCoreProc.__new__(EngineCoreProc)  # the loop alone: no sockets, no threads
+    proc.in_q, proc.out_q = queue.Queue(), queue.Queue()
+    stopped: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            proc.run_busy_loop(core)
+        except _Stop as e:
+            stopped.append(e)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    for _ in range(2):  # two bursts, the second sent once the first has finished
+        req = _request([1, 2, 3], max_tokens=3)
+        proc.in_q.put((core_main.MsgKind.ADD, req))
+        while not any(o.finish_reason for o in proc.out_q.get(timeout=60).outputs):
+            pass
+    if idle_s:
+        assert not trims  # (an hour idle has not passed)
+    else:
+        assert trimmed.wait(60)
+    proc.in_q.put(_Control("test over", failed=False))
+    thread.join(60)
+    assert stopped and not thread.is_alive()
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks
+
+
 # -- the model runner (a tiny random Llama in this process) ----------------------------
 
 VOCAB = 384

@@ -101,6 +101,10 @@ class _Undecodable:
 JOIN_S = 3.0  # how long shutdown waits for each I/O thread (the host kills us after 5 s)
 _WAKE_ADDR = "inproc://core-input-wake"
 TRIM_EVERY_STEPS = 2000  # heap trims while the core never goes idle (see heap.trim_heap)
+# An idle core trims its heap once no work came for this long: a trim takes milliseconds
+# and holds the allocator's locks, so work that comes back sooner (the next burst, the
+# output thread still sending the last step) does not wait behind one.
+TRIM_AFTER_IDLE_S = 0.5
 
 
 class EngineCoreProc:
@@ -367,10 +371,14 @@ class EngineCoreProc:
         steps = 0
         while True:
             if not core.has_unfinished_requests() and not core.has_pending_outputs():
-                if steps:  # idle after work: a good moment to return freed heap memory
-                    trim_heap()
-                    steps = 0
-                self._handle(core, self.in_q.get())
+                item = None
+                if steps:  # idle after work: return freed heap memory if it stays idle
+                    try:
+                        item = self.in_q.get(timeout=TRIM_AFTER_IDLE_S)
+                    except queue.Empty:
+                        trim_heap()
+                        steps = 0
+                self._handle(core, self.in_q.get() if item is None else item)
             while True:
                 try:
                     self._handle(core, self.in_q.get_nowait())
