@@ -377,6 +377,32 @@ def test_api_key_then_sigterm_lets_a_stream_finish():
     assert not any(Path(f"/proc/{pid}").exists() for pid in engine)
 
 
+def test_a_stream_still_open_when_the_grace_period_ends_gets_an_error_event():
+    """SIGTERM with no grace period, mid-stream (2,000 tokens of the embedded model on
+    the CPU): the stream ends with a 503 error event and [DONE], not a cut connection,
+    and the server and its engine exit cleanly."""
+    s = Server("--grace-period", "0")
+    try:
+        engine = s.engine_pids()
+        conn, lines = stream_lines(
+            s.url + "/v1/completions",
+            {"model": MODEL, "prompt": "Tell a long story.", "max_tokens": 2000, "stream": True}
+            | {"ignore_eos": True},
+        )
+        first = next(line for line in lines if line.startswith("data: {"))
+        s.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+        conn.close()
+        assert json.loads(first[6:])["choices"][0]["text"]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["type"] == "service_unavailable" and "shut down" in error["message"]
+    finally:
+        rc = s.stop()
+    assert rc == 0
+    assert not any(Path(f"/proc/{pid}").exists() for pid in engine)
+
+
 def test_dead_engine_is_503_everywhere():
     s = Server(*INSTANT)
     try:
