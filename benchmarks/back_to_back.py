@@ -44,6 +44,8 @@ def main() -> None:
                 walls[name].append(time.perf_counter() - t0)
     row = {name: round(1e3 * statistics.median(w), 1) for name, w in walls.items()}
     print(f"batch {args.batch}, {args.max_tokens} new tokens: median ms a burst {row}")
+    for name, w in walls.items():
+        print(f"  {name}: " + ", ".join(f"{1e3 * x:.1f}" for x in w))
     print(json.dumps({"benchmark": "back_to_back", "batch": args.batch, "ms": row}))
 
 
