@@ -40,7 +40,11 @@ import numpy as np
 import torch
 
 from asyncllm.config import EngineConfig
-from asyncllm.model.attention.backend import AttentionBackend, CommonAttentionMetadata
+from asyncllm.model.attention.backend import (
+    AttentionBackend,
+    CommonAttentionMetadata,
+    numpy_to_device,
+)
 from asyncllm.model.attention.torch_native import TorchNativeBackend
 from asyncllm.model.interface import CausalLM
 from asyncllm.model.loader import load_model
@@ -888,7 +892,7 @@ class ModelRunner:
         model = self._loaded_model()
         for p in prompt_rows:
             parts = []
-            all_rows, all_targets = (_to_device(a, self.device) for a in (p.rows, p.targets))
+            all_rows, all_targets = (numpy_to_device(a, self.device) for a in (p.rows, p.targets))
             for a in range(0, len(p.rows), PROMPT_LOGPROB_CHUNK):
                 rows = all_rows[a : a + PROMPT_LOGPROB_CHUNK]
                 targets = all_targets[a : a + PROMPT_LOGPROB_CHUNK]
@@ -910,15 +914,6 @@ class PendingLogprobs:
     def read(self) -> TokenLogprobs:
         """Once the copies have run (the step's event)."""
         return TokenLogprobs(self.ids.tolist(), self.logprobs.tolist(), self.ranks.tolist())
-
-
-def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Queues a copy of host data to `device` through pinned memory, so the host does
-    not wait for the stream (the host allocator keeps the pinned copy until it ran)."""
-    t = torch.from_numpy(a)
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

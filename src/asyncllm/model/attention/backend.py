@@ -16,6 +16,14 @@ import numpy as np
 import torch
 
 
+def numpy_to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`. On CUDA the copy is queued from pinned memory, so the
+    host does not wait for the stream (the host allocator keeps the pinned copy until
+    the copy has run)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 @dataclass
 class CommonAttentionMetadata:
     """One step's batch, as every backend needs it.
@@ -51,12 +59,10 @@ class CommonAttentionMetadata:
         device: torch.device | str,
     ) -> CommonAttentionMetadata:
         """Copies host arrays to the device (asynchronously from pinned memory on CUDA)."""
-        device = torch.device(device)
-        pin = device.type == "cuda"
+        dev = torch.device(device)
 
         def put(a: np.ndarray) -> torch.Tensor:
-            t = torch.from_numpy(np.ascontiguousarray(a))
-            return t.pin_memory().to(device, non_blocking=True) if pin else t.to(device)
+            return numpy_to_device(a, dev)
 
         query_lens = np.diff(query_start_loc)
         return cls(
