@@ -316,22 +316,16 @@ def _blocked_in_get(thread: threading.Thread) -> bool:
     return False
 
 
-def test_the_core_loop_goes_to_sleep_after_requests_it_cannot_schedule(instant_llm):
-    """The process loop itself (core_main.run_busy_loop) with an empty and a too-long
-    request wedged in the scheduler and a good one sent as a message: both bad ones end
-    with INVALID errors, the good one with its tokens, and then the loop sleeps in a
-    blocking read of its input, having sent nothing more (it used to spin, sending empty
-    outputs)."""
-    from asyncllm.engine.core_main import EngineCoreProc, _Control, _Stop
-    from asyncllm.messages import EngineCoreOutputs, MsgKind
+def _busy_loop(core: EngineCore, out_q: queue.Queue, first: list | None = None):
+    """The core process's loop alone (no sockets, no I/O threads) on a thread, with
+    `first` already in its input queue: (the process object, the thread, the _Stop it
+    ended with, once it has)."""
+    from asyncllm.engine.core_main import EngineCoreProc, _Stop
 
-    core = _core(instant_llm)
-    proc = EngineCoreProc.__new__(EngineCoreProc)  # the loop alone: no sockets, no threads
-    proc.in_q, proc.out_q = queue.Queue(), _CountingQueue()
-    _inject(core, "empty", [])
-    _inject(core, "too-long", [5] * 1500)
-    ok = _request([1, 2, 3], max_tokens=3)
-    proc.in_q.put((MsgKind.ADD, ok))
+    proc = EngineCoreProc.__new__(EngineCoreProc)
+    proc.in_q, proc.out_q = queue.Queue(), out_q
+    for item in first or []:
+        proc.in_q.put(item)
     stopped: list[BaseException] = []
 
     def loop() -> None:
@@ -342,6 +336,23 @@ def test_the_core_loop_goes_to_sleep_after_requests_it_cannot_schedule(instant_l
 
     thread = threading.Thread(target=loop, daemon=True)
     thread.start()
+    return proc, thread, stopped
+
+
+def test_the_core_loop_goes_to_sleep_after_requests_it_cannot_schedule(instant_llm):
+    """The process loop itself (core_main.run_busy_loop) with an empty and a too-long
+    request wedged in the scheduler and a good one sent as a message: both bad ones end
+    with INVALID errors, the good one with its tokens, and then the loop sleeps in a
+    blocking read of its input, having sent nothing more (it used to spin, sending empty
+    outputs)."""
+    from asyncllm.engine.core_main import _Control
+    from asyncllm.messages import EngineCoreOutputs, MsgKind
+
+    core = _core(instant_llm)
+    _inject(core, "empty", [])
+    _inject(core, "too-long", [5] * 1500)
+    ok = _request([1, 2, 3], max_tokens=3)
+    proc, thread, stopped = _busy_loop(core, _CountingQueue(), [(MsgKind.ADD, ok)])
     results: dict[str, Result] = {}
     while len([r for r in results.values() if r.finish_reason]) < 3:
         out = proc.out_q.get(timeout=60)
@@ -373,7 +384,7 @@ def test_the_core_trims_its_heap_only_once_idle_for_a_while(instant_llm, monkeyp
     came for TRIM_AFTER_IDLE_S: work that comes back sooner runs without one in front
     of it, and a core left idle trims once."""
     from asyncllm.engine import core_main
-    from asyncllm.engine.core_main import EngineCoreProc, _Control, _Stop
+    from asyncllm.engine.core_main import _Control
 
     trims: list[float] = []
     trimmed = threading.Event()
@@ -386,23 +397,13 @@ def test_the_core_trims_its_heap_only_once_idle_for_a_while(instant_llm, monkeyp
     monkeypatch.setattr(core_main, "trim_heap", trim)
     monkeypatch.setattr(core_main, "TRIM_AFTER_IDLE_S", idle_s, raising=False)
     core = _core(instant_llm)
-    proc = EngineCoreProc.__new__(EngineCoreProc)  # the loop alone: no sockets, no threads
-    proc.in_q, proc.out_q = queue.Queue(), queue.Queue()
-    stopped: list[BaseException] = []
-
-    def loop() -> None:
-        try:
-            proc.run_busy_loop(core)
-        except _Stop as e:
-            stopped.append(e)
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
+    proc, thread, stopped = _busy_loop(core, queue.Queue())
     for _ in range(2):  # two bursts, the second sent once the first has finished
         req = _request([1, 2, 3], max_tokens=3)
         proc.in_q.put((core_main.MsgKind.ADD, req))
-        while not any(o.finish_reason for o in proc.out_q.get(timeout=60).outputs):
-            pass
+        finished = False
+        while not finished:
+            finished = any(o.finish_reason for o in proc.out_q.get(timeout=60).outputs)
     if idle_s:
         assert not trims  # (an hour idle has not passed)
     else:

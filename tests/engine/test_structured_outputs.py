@@ -987,6 +987,20 @@ def test_an_interrupt_while_a_fill_waits_for_its_tokens_leaves_the_grammar_proce
         assert core.kv_cache_manager.num_free_blocks == core.num_blocks
 
 
+def _interrupting(fn, nth: int):
+    """`fn`, raising KeyboardInterrupt instead of running at its `nth` call."""
+    calls = 0
+
+    def wrapper(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == nth:
+            raise KeyboardInterrupt
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def _idle_and_serving(llm: LLM, outs: dict) -> None:
     """The in-process core has no step in flight and every block back, and a new
     constrained request (id 'after') still gets a valid answer."""
@@ -1057,15 +1071,7 @@ def test_an_interrupt_while_a_step_is_awaited_leaves_it_in_flight(
     from asyncllm.worker.model_runner import StepResult
 
     core = inproc_engine.engine.client.core
-    apply, calls = StepResult.apply, []
-
-    def interrupted(self):
-        calls.append(self)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        apply(self)
-
-    monkeypatch.setattr(StepResult, "apply", interrupted)
+    monkeypatch.setattr(StepResult, "apply", _interrupting(StepResult.apply, 3))
     so = S(regex="[0-9]{12}") if structured else None
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, structured_outputs=so)
     core.add_request(EngineCoreRequest("waited", [1, 2, 3, 4], params, 2, 12, time.monotonic()))
@@ -1106,15 +1112,7 @@ def test_an_interrupt_while_prompt_logprobs_are_read_applies_the_step_once(
     outs: dict[str, list] = {}
     core.add_request(EngineCoreRequest("whole", prompt, params, 2, 8, time.monotonic()))
     _run_until_done(core, outs)
-    read, calls = PendingLogprobs.read, []
-
-    def interrupted(self):
-        calls.append(self)
-        if len(calls) == 1:
-            raise KeyboardInterrupt
-        return read(self)
-
-    monkeypatch.setattr(PendingLogprobs, "read", interrupted)
+    monkeypatch.setattr(PendingLogprobs, "read", _interrupting(PendingLogprobs.read, 1))
     core.add_request(EngineCoreRequest("cut", prompt, params, 2, 8, time.monotonic()))
     with pytest.raises(KeyboardInterrupt):
         _run_until_done(core, outs)
@@ -1139,15 +1137,7 @@ def test_an_interrupt_while_a_launched_step_is_sampled_fails_its_requests(
     from asyncllm.worker.model_runner import ModelRunner
 
     core = inproc_engine.engine.client.core
-    sample, calls = ModelRunner._sample, []
-
-    def interrupted(self, *args):
-        calls.append(self)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return sample(self, *args)
-
-    monkeypatch.setattr(ModelRunner, "_sample", interrupted)
+    monkeypatch.setattr(ModelRunner, "_sample", _interrupting(ModelRunner._sample, 3))
     so = S(regex="[0-9]{12}") if structured else None
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, structured_outputs=so)
     core.add_request(EngineCoreRequest("sampled", [1, 2, 3, 4], params, 2, 12, time.monotonic()))

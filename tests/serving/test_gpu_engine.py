@@ -26,19 +26,23 @@ def _prompts():
     return [torch.randint(0, 384, (n,), generator=gen).tolist() for n in (1, 9, 40, 130, 300)]
 
 
-@pytest.mark.parametrize("multiprocess", [False, True])
-def test_llm_greedy_on_cuda_equals_transformers(tiny_folder, multiprocess):
-    folder, ref = tiny_folder
-    prompts = _prompts()
-    with LLM(
+def _float32_llm(folder, **kwargs) -> LLM:
+    return LLM(
         str(folder),
         device="cuda",
         dtype="float32",
         skip_tokenizer_init=True,
         max_model_len=512,
         gpu_memory_utilization=0.3,
-        multiprocess=multiprocess,
-    ) as llm:
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_llm_greedy_on_cuda_equals_transformers(tiny_folder, multiprocess):
+    folder, ref = tiny_folder
+    prompts = _prompts()
+    with _float32_llm(folder, multiprocess=multiprocess) as llm:
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
             SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
@@ -82,14 +86,7 @@ def test_prompt_logprobs_on_cuda_equal_transformers(tiny_folder):
     log-softmax of the reference model's logits: each prompt token's and the top 3."""
     folder, ref = tiny_folder
     prompts = _prompts()
-    with LLM(
-        str(folder),
-        device="cuda",
-        dtype="float32",
-        skip_tokenizer_init=True,
-        max_model_len=512,
-        gpu_memory_utilization=0.3,
-    ) as llm:
+    with _float32_llm(folder) as llm:
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
             SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3),
