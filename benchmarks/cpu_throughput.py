@@ -82,7 +82,7 @@ def main() -> None:
     llm = LLM(device="cpu")
     tok = llm.get_tokenizer()
     ref = AutoModelForCausalLM.from_pretrained(
-        str(llm.engine.config.model.path), dtype=torch.float32
+        llm.engine.config.model_path, dtype=torch.float32
     ).eval()
     scenarios = []
     if args.scenario in ("fixed", "both"):

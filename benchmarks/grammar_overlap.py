@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from asyncllm.bench.common import ARRAY_SCHEMA
 from asyncllm.config import EngineArgs
-from asyncllm.engine.arg_utils import create_engine_config
+from asyncllm.engine.core_config import create_engine_config
 from asyncllm.sampling_params import StructuredOutputsParams
 from asyncllm.structured.manager import StructuredOutputManager
 

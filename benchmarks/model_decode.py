@@ -12,15 +12,19 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from asyncllm.config import EngineArgs
-from asyncllm.engine.arg_utils import create_model_config
+from asyncllm.engine.core_config import create_model_config
+from asyncllm.model.attention.registry import select_attention_backend
 from asyncllm.model.loader import load_model
-from asyncllm.model.paged_decoder import PagedDecoder
-from asyncllm.worker.model_runner import select_attention_backend
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (the tests' hand-driven decoder)
+from tests.model.paged_decoder import PagedDecoder  # noqa: E402
 
 
 def ours_decode(model, backend, prompts, tokens) -> float:

@@ -34,7 +34,7 @@ import torch
 from asyncllm import envs
 from asyncllm.bench.common import ARRAY_SCHEMA
 from asyncllm.config import EngineArgs
-from asyncllm.engine.arg_utils import create_engine_config
+from asyncllm.engine.core_config import create_engine_config
 from asyncllm.sample.ops import apply_token_bitmask
 from asyncllm.sampling_params import StructuredOutputsParams
 from asyncllm.structured.grammar_process import StepThreads

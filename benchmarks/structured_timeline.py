@@ -128,7 +128,7 @@ def main() -> None:
     llm = LLM(multiprocess=False, **kwargs)
     from asyncllm.engine.serial import Encoder
     from asyncllm.structured.manager import FillJob
-    from asyncllm.worker.model_runner import StepResult
+    from asyncllm.worker.step_result import StepResult
 
     engine = llm.engine
     core = engine.client.core
@@ -147,13 +147,13 @@ def main() -> None:
         engine.step()  # prefills, warm decode steps
     sched, struct = core.scheduler, core.structured
     from asyncllm.sample import ops, sampler
-    from asyncllm.worker import model_runner as mr
+    from asyncllm.worker import step_sampler
     from asyncllm.worker.grammar_handshake import GrammarHandshake
     from asyncllm.worker.input_batch import InputBatch
     from asyncllm.worker.mask_staging import MaskStaging
     from asyncllm.worker.sampling_state import SamplingState
 
-    wrap(struct, "allocate_bitmask", "allocate_bitmask")
+    wrap(struct, "take_bitmask", "take_bitmask")
     if torch.cuda.is_available():
         wrap(torch.cuda.Event, "synchronize", "event_sync")
         wrap(torch.cuda.Event, "query", "event_query")
@@ -162,7 +162,7 @@ def main() -> None:
     wrap(sampler.Sampler, "__call__", "sampler")
     wrap(SamplingState, "metadata", "sampling_metadata")
     wrap(SamplingState, "record_sampled", "record_sampled")
-    wrap(mr, "_to_host", "to_host")
+    wrap(step_sampler, "to_host", "to_host")
     wrap(InputBatch, "take_sampled_tokens", "take_sampled")
     wrap(sched, "_build_output", "build_output")
     wrap(sched, "_schedule_running", "schedule_running")
@@ -174,7 +174,7 @@ def main() -> None:
     wrap(struct, "start_fill", "start_fill")
     wrap(FillJob, "give_tokens", "give_tokens")
     wrap(FillJob, "wait", "fill_wait")
-    wrap(runner, "_apply_grammar_bitmask", "mask")
+    wrap(runner.grammar, "apply_bitmask", "mask")
     wrap(runner, "_sample", "sample")
     wrap(runner, "_update_states", "update_states")
     wrap(runner, "_prepare_inputs", "prepare_inputs")
@@ -187,7 +187,7 @@ def main() -> None:
         mark(runner, "_run_model", "forward")
         mark(GrammarHandshake, "wait_for_masks", "mask_wait")
         mark(runner, "_sample", "sample")
-        mark(runner, "_apply_grammar_bitmask", "mask_apply")
+        mark(runner.grammar, "apply_bitmask", "mask_apply")
         mark(runner, "_prepare_inputs", "prepare")
         mark(GrammarHandshake, "give_tokens", "hand_over")
     encoder = Encoder()

@@ -84,7 +84,7 @@ LONG_TEXT = (
 @pytest.fixture(scope="session")
 def smollm_config():
     from asyncllm.config import EngineArgs
-    from asyncllm.engine.arg_utils import create_model_config
+    from asyncllm.engine.core_config import create_model_config
 
     return create_model_config(EngineArgs(device="cpu"))
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncllm import EngineArgs
-from asyncllm.engine.arg_utils import (
+from asyncllm.engine.core_config import (
     create_engine_config,
     create_model_config,
     resolve_device,
@@ -44,7 +44,8 @@ from asyncllm.engine.arg_utils import (
         ({"num_gpu_blocks_override": 0}, ValueError, "num_gpu_blocks_override"),
         ({"long_prefill_token_threshold": -1}, ValueError, "long_prefill_token_threshold"),
         ({"max_logprobs": -1}, ValueError, "max_logprobs"),
-        ({"attention_backend": "flash"}, ValueError, "attention_backend"),
+        ({"attention_backend": ""}, ValueError, "attention_backend"),
+        ({"attention_backend": 3}, ValueError, "attention_backend"),
         (
             {"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 128},
             ValueError,
@@ -83,6 +84,11 @@ def test_max_model_len_beyond_the_model_is_rejected(smollm_config):
 def test_triton_attention_needs_cuda(smollm_config):
     with pytest.raises(ValueError, match="attention_backend 'triton' needs a CUDA device"):
         create_engine_config(EngineArgs(device="cpu", attention_backend="triton"))
+
+
+def test_an_unregistered_attention_backend_is_refused_at_start_up(smollm_config):
+    with pytest.raises(ValueError, match="attention_backend must be one of 'auto', .*'flash'"):
+        create_engine_config(EngineArgs(device="cpu", attention_backend="flash"))
 
 
 def test_grammar_threads_default_to_half_the_usable_cpus_up_to_4_and_refuse_junk(monkeypatch):

@@ -45,12 +45,25 @@ def all_modules() -> dict[str, Path]:
     return mods
 
 
-def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """Our modules that `name` imports, anywhere in its body."""
+def walk_outside_functions(tree: ast.AST):
+    """ast.walk, not entering function bodies (classes, ifs and trys are entered)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def imports_of(
+    name: str, path: Path, modules: dict[str, Path], module_level_only: bool = False
+) -> set[str]:
+    """Our modules that `name` imports, anywhere in its body (or outside functions)."""
     is_pkg = path.name == "__init__.py"
     package = name if is_pkg else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    for node in walk_outside_functions(tree) if module_level_only else ast.walk(tree):
         targets: list[str] = []
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
@@ -214,3 +227,80 @@ def test_core_and_the_leaves_import_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# -- the two sides -------------------------------------------------------------------
+
+
+def read_modules_block(marker: str) -> list[str]:
+    text = DOC.read_text()
+    block = re.search(rf"<!-- {marker} -->(.*?)<!-- /{marker} -->", text, re.S)
+    assert block, f"{DOC} has no {marker} block"
+    return re.findall(r"`([\w.]+)`", block.group(1))
+
+
+def read_lazy_paths() -> set[tuple[str, str]]:
+    """(host module, core-side module) pairs named in the lazy-imports block."""
+    text = DOC.read_text()
+    block = re.search(r"<!-- lazy core imports -->(.*?)<!-- /lazy core imports -->", text, re.S)
+    assert block, f"{DOC} has no lazy core imports block"
+    pairs = re.findall(r"`([\w.]+)`\s*->\s*`([\w.]+)`", block.group(1))
+    assert pairs
+    return set(pairs)
+
+
+def side_of(module: str) -> str | None:
+    """'host', 'core' or 'tools': the side whose listed name holds `module` most
+    closely (so `asyncllm.engine`, the package file, is host and its core_* modules
+    core); None if no list names it."""
+    best: tuple[int, str] | None = None
+    for side, units in SIDES.items():
+        for u in units:
+            if module == u or (u != "asyncllm" and module.startswith(u + ".")):
+                if best is None or len(u) > best[0]:
+                    best = (len(u), side)
+    return best[1] if best else None
+
+
+def function_level_imports(path: Path, modules: dict[str, Path], name: str) -> set[str]:
+    """Our modules that `name` imports only inside a function body."""
+    everywhere = imports_of(name, path, modules)
+    return everywhere - imports_of(name, path, modules, module_level_only=True)
+
+
+SIDES = {
+    "host": read_modules_block("host side"),
+    "core": read_modules_block("core side"),
+    "tools": ["asyncllm.bench"],  # benchmarks measure both sides
+}
+
+
+def test_every_module_is_on_a_side():
+    assert [m for m in MODULES if side_of(m) is None] == []
+
+
+def test_the_host_side_never_imports_the_core_side():
+    """The host process stays light: its modules import nothing of the core side, inside
+    functions neither, except the named lazy in-process paths (inside a function)."""
+    lazy = read_lazy_paths()
+    bad = []
+    for src, targets in GRAPH.items():
+        if side_of(src) != "host":
+            continue
+        for dst in targets:
+            if side_of(dst) != "core":
+                continue
+            if (src, dst) in lazy and dst in function_level_imports(MODULES[src], MODULES, src):
+                continue
+            bad.append(f"{src} imports {dst}")
+    assert not bad, "host-side imports of the core side:\n" + "\n".join(sorted(bad))
+    for src, dst in lazy:  # the exceptions name real modules on the right sides
+        assert side_of(src) == "host" and side_of(dst) == "core", (src, dst)
+
+
+def test_the_side_checker_tells_function_level_imports(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text(
+        "import asyncllm.config\n\ndef f():\n    from asyncllm.engine import core_inproc\n"
+    )
+    assert function_level_imports(f, MODULES, "asyncllm.x") == {"asyncllm.engine.core_inproc"}

@@ -15,7 +15,7 @@ DTYPE_NAMES = ("float32", "float", "float16", "half", "bfloat16")  # and "auto"
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 
 
-def _is_torch_object(value: Any, type_name: str) -> bool:
+def is_torch_object(value: Any, type_name: str) -> bool:
     """isinstance(value, torch.<type_name>) without importing torch here: this module is
     a leaf that the torch-free scheduler imports."""
     t = type(value)
@@ -84,7 +84,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0: no cap on one prefill's chunk
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
     max_waiting_requests: int | None = None  # beyond this, new requests are refused
-    async_scheduling: bool = False  # schedule step N+1 while step N runs
+    async_scheduling: bool = True  # schedule step N+1 while step N runs (as EngineArgs)
 
 
 @dataclass
@@ -124,9 +124,6 @@ def default_capture_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
     if not sizes or sizes[-1] != top:
         sizes.append(top)
     return sizes
-
-
-ATTENTION_BACKENDS = (None, "triton", "torch_native")
 
 
 def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
@@ -205,7 +202,9 @@ class EngineArgs:
     max_waiting_requests: int | None = None
     """Beyond this many waiting requests, new ones are refused (EngineOverloadedError)."""
     attention_backend: str | None = None
-    """triton (CUDA) or torch_native; None: by device."""
+    """A registered attention backend (triton on CUDA, torch_native anywhere, or one
+    registered in model/attention/registry.py); 'auto' or None: the first that supports
+    the device, the dtype, the head size and the model's features."""
     async_scheduling: bool = True
     """The host schedules and prepares step N+1 while the device runs step N (the
     sampled ids go from one step to the next on the device); off: one step at a time."""
@@ -240,9 +239,9 @@ class EngineArgs:
             raise ValueError(
                 f"dtype {self.dtype!r} is not one of 'auto', {', '.join(map(repr, DTYPE_NAMES))}"
             )
-        if not isinstance(self.dtype, str) and not _is_torch_object(self.dtype, "dtype"):
+        if not isinstance(self.dtype, str) and not is_torch_object(self.dtype, "dtype"):
             raise TypeError(f"dtype must be a str or torch.dtype, got {type(self.dtype).__name__}")
-        if not isinstance(self.device, str) and not _is_torch_object(self.device, "device"):
+        if not isinstance(self.device, str) and not is_torch_object(self.device, "device"):
             raise TypeError(
                 f"device must be a str or torch.device, got {type(self.device).__name__}"
             )
@@ -283,9 +282,11 @@ class EngineArgs:
                 "tensor_parallel_size and pipeline_parallel_size above 1 need the multiprocess "
                 "executor, which this version does not have yet"
             )
-        if self.attention_backend not in ATTENTION_BACKENDS:
+        if self.attention_backend is not None and (
+            not isinstance(self.attention_backend, str) or not self.attention_backend
+        ):  # (whether it names a registered backend: the core's start-up checks)
             raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                "attention_backend must be 'auto', None or a registered backend's name, "
                 f"got {self.attention_backend!r}"
             )
         backend = self.distributed_executor_backend

@@ -5,7 +5,8 @@ A leaf module: the frontend, the engine and the core's scheduler all import it, 
 imports only other leaves. Each message type has its own one-byte kind on the wire.
 
 frontend -> core: EngineStartup (first, once), EngineCoreRequest, AbortRequests,
-UtilityCall. core -> frontend: EngineReady (once), EngineCoreOutputs, UtilityResult,
+UtilityCall. core -> frontend: ResolvedConfig (once, as soon as the core has resolved
+the model), EngineReady (once, when it serves), EngineCoreOutputs, UtilityResult,
 EngineDead (last).
 """
 
@@ -25,12 +26,11 @@ WireValue = str | int | float | bool | list[str] | None
 
 
 class EngineStartup(msgspec.Struct, kw_only=True):
-    """The engine arguments (EngineArgs fields as plain values), sent before anything,
-    and the model's config as the host read it (HFConfig's fields; None: the core reads
-    it itself)."""
+    """The engine arguments (EngineArgs fields as plain values), sent before anything.
+    The core resolves them (the model's folder, its config, the device and dtype): the
+    host never imports torch or transformers to do so."""
 
     engine_args: dict[str, WireValue]
-    hf_config: dict[str, Any] | None = None
 
 
 class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
@@ -38,7 +38,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None
-    max_tokens: int  # resolved: never past max_model_len
+    max_tokens: int | None  # None: as many as fit (the core caps it by max_model_len)
     arrival_time: float
     priority: int = 0
 
@@ -54,6 +54,35 @@ class UtilityCall(msgspec.Struct, array_like=True):
 
 
 # --- core -> frontend ------------------------------------------------------------------
+
+
+class ResolvedConfig(msgspec.Struct, kw_only=True):
+    """The engine configuration as the core resolved it: what the host side needs to
+    check and process requests, and to report what it serves. Sent before the model
+    loads, so the host starts its tokenizer meanwhile."""
+
+    model: str | None  # what the user named (None: the embedded default)
+    model_path: str  # the local folder the model was resolved to
+    tokenizer: str | None  # the tokenizer's folder or name (None: skip_tokenizer_init)
+    architecture: str
+    load_format: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None  # the model config's (the tokenizer's wins where it has one)
+    max_logprobs: int
+    dtype: str  # "float32", "bfloat16", ...
+    device: str  # "cpu", "cuda:0", ...
+    async_scheduling: bool
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    attention_backend: str | None
+    enforce_eager: bool
+    hf_config: dict[str, Any]  # the model's config.json as transformers normalised it
+
+    @property
+    def skip_tokenizer_init(self) -> bool:
+        return self.tokenizer is None
 
 
 class EngineReady(msgspec.Struct, kw_only=True):
@@ -73,10 +102,12 @@ class DeadKind(enum.StrEnum):
 
 
 class EngineDead(msgspec.Struct, array_like=True):
-    """The core's last message: why it is going away."""
+    """The core's last message: why it is going away (and, for a failed start-up, the
+    class of the exception, which the host chains as the cause when it is a builtin)."""
 
     kind: DeadKind
     reason: str
+    error_type: str | None = None
 
 
 class ErrorKind(enum.StrEnum):
@@ -154,6 +185,7 @@ class MsgKind(bytes, enum.Enum):
     ABORT = b"X"
     UTILITY = b"U"
     # core -> frontend
+    CONFIG = b"G"
     READY = b"R"
     OUTPUTS = b"O"
     UTILITY_RESULT = b"V"
@@ -165,6 +197,7 @@ MESSAGE_TYPES: dict[MsgKind, type[msgspec.Struct]] = {
     MsgKind.ADD: EngineCoreRequest,
     MsgKind.ABORT: AbortRequests,
     MsgKind.UTILITY: UtilityCall,
+    MsgKind.CONFIG: ResolvedConfig,
     MsgKind.READY: EngineReady,
     MsgKind.OUTPUTS: EngineCoreOutputs,
     MsgKind.UTILITY_RESULT: UtilityResult,
@@ -172,4 +205,4 @@ MESSAGE_TYPES: dict[MsgKind, type[msgspec.Struct]] = {
 }
 KIND_OF: dict[type, MsgKind] = {t: k for k, t in MESSAGE_TYPES.items()}
 TO_CORE = (MsgKind.STARTUP, MsgKind.ADD, MsgKind.ABORT, MsgKind.UTILITY)
-FROM_CORE = (MsgKind.READY, MsgKind.OUTPUTS, MsgKind.UTILITY_RESULT, MsgKind.DEAD)
+FROM_CORE = (MsgKind.CONFIG, MsgKind.READY, MsgKind.OUTPUTS, MsgKind.UTILITY_RESULT, MsgKind.DEAD)

@@ -7,7 +7,7 @@ can use it without either reaching up the dependency chain.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from asyncllm.sampling_params import SamplingParams
 
@@ -50,22 +50,42 @@ def flag_reached(value: int, seq: int) -> bool:
 @dataclass
 class GrammarSync:
     """A device step's handshake with the grammar process (structured/grammar_process.py),
-    in memory the two share: after the step before has sampled, the device writes the
-    tokens it sampled for `ahead_req_ids` (in order, -1 for a request it does not hold)
-    to `tokens` (int64), then sets `flags[TOKENS_FLAG]` to `seq`; the grammar process
-    fills the step's bitmask, then sets `flags[MASK_FLAG]` to `seq`, which the device
-    waits for before it copies the bitmask and samples. `given`: the runner has queued
-    the device's hand-over (the host must not write the tokens or their flag then)."""
+    in memory the two share, as the model runner sees it: `seq` and `ahead_req_ids` come
+    in the SchedulerOutput (`grammar_seq`, `grammar_ahead_req_ids`), `tokens` and
+    `flags` from the runner's `GrammarMemory`. After the step before has sampled, the
+    device writes the tokens it sampled for `ahead_req_ids` (in order, -1 for a request
+    it does not hold) to `tokens` (int64), then sets `flags[TOKENS_FLAG]` to `seq`; the
+    grammar process fills the step's bitmask, then sets `flags[MASK_FLAG]` to `seq`,
+    which the device waits for before it copies the bitmask and samples."""
 
     seq: int
     ahead_req_ids: list[str]
     tokens: Any
     flags: Any
-    given: bool = False
+
+
+class GrammarMemory(Protocol):
+    """The worker side's way to the structured manager's shared memory (handed to the
+    runner at start-up, `Executor.attach_grammar_memory`), looked up by the plain fields
+    of a SchedulerOutput."""
+
+    def bitmask(self, index: int, rows: int) -> Any:
+        """The first `rows` rows of bitmask buffer `index` (0 or 1): a tensor view, no
+        copy."""
+        ...
+
+    def sync(self, seq: int, ahead_req_ids: list[str]) -> GrammarSync:
+        """A device step's handshake, on the shared tokens and flags."""
+        ...
 
 
 @dataclass
 class SchedulerOutput:
+    """One step, as the scheduler hands it to the executor: plain data only (lists,
+    dicts, ints, strings, SamplingParams), so it can go over the wire
+    (engine/serial.py's `StepEncoder`); the bitmask and the grammar handshake's shared
+    memory are named by index, and the worker finds them through its `GrammarMemory`."""
+
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]  # request id -> tokens this step, in batch order
@@ -75,19 +95,19 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     # Structured outputs: row i of the bitmask (int32, 32 tokens a word; a set bit allows
-    # the token) constrains the token that structured_req_ids[i] samples this step.
+    # the token) constrains the token that structured_req_ids[i] samples this step. The
+    # bitmask is the first len(structured_req_ids) rows of the structured manager's
+    # shared buffer `grammar_buffer` (0 or 1; None: no bitmask).
     structured_req_ids: list[str] = field(default_factory=list)
-    grammar_bitmask: Any = None
+    grammar_buffer: int | None = None
     # The bitmask is filled after the launch: the runner queues the forward and samples
     # at the launch's `finish_launch()` (the masks need the tokens of the step before).
     grammar_bitmask_later: bool = False
-    # Set by the model runner when it copies the (pinned) bitmask to the device without
-    # a sync: a CUDA event recorded after the copy, which the scheduler waits for before
-    # it writes that buffer again.
-    grammar_bitmask_copied: Any = None
-    # A device step (async scheduling on CUDA): the device hands the grammar process the
-    # tokens ahead and waits for the bitmask itself; the runner queues it all at launch.
-    grammar_sync: GrammarSync | None = None
+    # A device step (async scheduling on CUDA; 0: not one): the device hands the grammar
+    # process the tokens it sampled for `grammar_ahead_req_ids` and waits for the
+    # bitmask's flag to reach `grammar_seq` itself; the runner queues it all at launch.
+    grammar_seq: int = 0
+    grammar_ahead_req_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -117,7 +117,6 @@ def test_startup(capsys, engine_flags, monkeypatch):
     stages = run["stages"]
     for name in (
         "from asyncllm import AsyncLLM",
-        "host: engine config",
         "AsyncLLM.start()",
         "core: engine config",
         "core: load weights",

@@ -92,7 +92,7 @@ def test_parameter_count_matches_our_loader(tmp_path, arch, monkeypatch):
         "ASYNCLLM_CPU_PACKING", "0"
     )  # (packed layers give up their parameters' storage)
     from asyncllm.config import EngineArgs
-    from asyncllm.engine.arg_utils import create_model_config
+    from asyncllm.engine.core_config import create_model_config
     from asyncllm.model.attention.torch_native import TorchNativeBackend
     from asyncllm.model.loader import load_model
 

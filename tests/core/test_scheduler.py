@@ -796,3 +796,38 @@ def test_random_workloads_respect_the_limits_finish_and_free_every_block(
     assert_pool_invariants(kv.pool)
     assert kv.num_free_blocks == w.num_blocks
     assert sched.requests == {} and not sched.running
+
+
+# -- several tokens of one request in one step (the contract speculative decoding needs)
+
+
+def test_a_step_may_give_a_request_several_tokens_each_checked_for_a_stop() -> None:
+    """The runner may return k >= 1 tokens for a request in one step: they are appended
+    in order, the stop rules checked after each; the tokens after the first that ends
+    the request are dropped, with their logprobs. The tokens appended beyond those
+    computed are what the next step computes."""
+    sched = make_scheduler()
+    a = add(sched, "a", 5, max_tokens=10)
+    b = add(sched, "b", 3, max_tokens=10, stop_token_ids=[42])
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 5, "b": 3}
+    # (a) three tokens, no stop; (b) a stop token in the middle: the last is dropped
+    lp = TokenLogprobs([[11], [42], [13]], [[-0.1], [-0.2], [-0.3]], [1, 1, 1])
+    runner = ModelRunnerOutput({"a": [11, 12, 13], "b": [11, 42, 13]}, logprobs={"b": lp})
+    outs = {o.request_id: o for o in sched.update_from_output(out, runner)}
+    assert outs["a"].new_token_ids == [11, 12, 13] and outs["a"].finish_reason is None
+    assert a.output_token_ids == [11, 12, 13] and a.num_output_placeholders == 0
+    assert outs["b"].new_token_ids == [11, 42]
+    assert (outs["b"].finish_reason, outs["b"].stop_reason) == ("stop", 42)
+    assert outs["b"].new_logprobs is not None and outs["b"].new_logprobs.ranks == [1, 1]
+    assert b.is_finished and "b" not in sched.requests
+    # a's prompt was computed; its three new tokens are computed by the next step
+    assert a.num_computed_tokens == 5
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 3} and out.finished_req_ids == {"b"}
+    assert a.num_computed_tokens == 8 and a.num_output_placeholders == 1
+    # max_tokens cuts a step's tokens too
+    outs = sched.update_from_output(out, ModelRunnerOutput({"a": [14] * 9}))
+    assert outs[0].new_token_ids == [14] * 7 and outs[0].finish_reason == "length"
+    assert len(a.output_token_ids) == 10
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks

@@ -456,7 +456,7 @@ async def test_async_llm_tokenizes_prompts_that_arrive_together_in_one_call():
 
         frontend.tokenize_prompts = spy
         params = SamplingParams(max_tokens=2, ignore_eos=True)
-        too_long = "x" * (llm.config.model.max_model_len * 10_000)
+        too_long = "x" * (llm.config.max_model_len * 10_000)
 
         async def run(prompt):
             return [out async for out in llm.generate(prompt, params)]

@@ -181,13 +181,13 @@ def test_device_steps_keep_every_constraint_and_match_the_host_steps():
         host = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
         assert core._device_steps is False
         core._device_steps = True
-        runner._handshake = handshake = HostHandshake()
+        runner.grammar.handshake = handshake = HostHandshake()
         syncs = []
         launch = core.executor.execute_model_async
 
         def logged(sched):
-            if sched.grammar_sync is not None:
-                syncs.append(sched.grammar_sync.seq)
+            if sched.grammar_seq:
+                syncs.append(sched.grammar_seq)
             return launch(sched)
 
         core.executor.execute_model_async = logged
@@ -216,9 +216,18 @@ def test_device_steps_keep_every_constraint_and_match_the_host_steps():
         tokens, flags = torch.zeros(2, dtype=torch.int64), torch.zeros(32, dtype=torch.int32)
         flags[MASK_FLAG] = 7  # (the grammar process's answer, already in)
         ghost = SchedulerOutput([], CachedRequestData(), {"ghost": 1}, 1, set())
-        ghost.grammar_sync = GrammarSync(7, ["ghost"], tokens, flags)
+        ghost.grammar_seq, ghost.grammar_ahead_req_ids = 7, ["ghost"]
+
+        class GhostMemory:  # (the runner finds the handshake's memory by the step's seq)
+            def sync(self, seq, ahead_req_ids):
+                return GrammarSync(seq, ahead_req_ids, tokens, flags)
+
         handshake.events.clear()
-        assert not runner.execute_model_async(ghost).result().sampled_token_ids
+        memory, runner.grammar_memory = runner.grammar_memory, GhostMemory()
+        try:
+            assert not runner.execute_model_async(ghost).result().sampled_token_ids
+        finally:
+            runner.grammar_memory = memory
         assert handshake.events == [("tokens", 7), ("masks", 7)]
         assert tokens[0] == -1 and flags[TOKENS_FLAG] == 7
 
@@ -229,7 +238,7 @@ def test_device_steps_keep_every_constraint_and_match_the_host_steps():
             def give_tokens(self, sync, sampled, rows, start=None) -> None:
                 self.events.append(("queued", sync.seq))
 
-        runner._handshake = queued = QueuedHandshake()
+        runner.grammar.handshake = queued = QueuedHandshake()
         run_model = runner._run_model
 
         def failing(*args, **kwargs):
@@ -334,7 +343,7 @@ def test_a_device_step_whose_runner_lacks_a_constrained_request_gathers_on_the_h
         for p in (params, letters):  # (both grammars compiled: no request waits for one)
             llm.generate([PROMPT], p.clone(max_tokens=1), use_tqdm=False)
         core._device_steps = True
-        runner._handshake = handshake = OnHost()
+        runner.grammar.handshake = handshake = OnHost()
         check = runner._check_new_request
 
         def refuse_bad(new) -> None:

@@ -31,8 +31,8 @@ import pytest
 from asyncllm import LLM, RequestFailedError, SamplingParams
 from asyncllm.config import EngineArgs
 from asyncllm.core.request import Request
-from asyncllm.engine.arg_utils import create_engine_config
 from asyncllm.engine.core import EngineCore
+from asyncllm.engine.core_config import create_engine_config
 from asyncllm.messages import EngineCoreRequest, ErrorKind
 from tests.model.tiny import make_tiny_model
 
@@ -499,7 +499,7 @@ def test_a_token_id_past_the_vocabulary_in_the_runner_fails_that_request_alone(t
         req.prompt_token_ids[2] = VOCAB + 5  # the embedding lookup would fail the step
 
     results = _run_with_bad(tiny_core, good, bad, break_it)
-    _check_isolated(tiny_core, results, bad.request_id, [g.request_id for g in good], "token ids")
+    _check_isolated(tiny_core, results, bad.request_id, [g.request_id for g in good], "token id ")
 
 
 def test_a_logits_processor_refusing_a_request_fails_it_alone(tiny_core):
@@ -549,7 +549,7 @@ def test_an_error_no_request_can_be_blamed_for_is_the_engines(tiny_core, monkeyp
     def broken(*args, **kwargs):
         raise RuntimeError("the device is gone")
 
-    monkeypatch.setattr(runner, "sampler", broken)
+    monkeypatch.setattr(runner.step_sampler, "sampler", broken)
     for r in _batch(2):
         tiny_core.add_request(r)
     with pytest.raises(RuntimeError, match="the device is gone"):

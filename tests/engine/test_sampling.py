@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
-from asyncllm.engine.arg_utils import create_engine_config
+from asyncllm.engine.core_config import create_engine_config
 
 PROMPT = {"prompt": "Write a short poem about the sea:"}
 

@@ -108,7 +108,7 @@ def engine(request):
 
 
 def _async(llm: LLM) -> bool:
-    return llm.engine.config.scheduler.async_scheduling
+    return llm.engine.config.async_scheduling
 
 
 def _all_kinds() -> list[SamplingParams]:
@@ -287,12 +287,14 @@ async def test_64_concurrent_streams_with_cancellations(allm):
 
 
 def test_a_grammar_that_fails_in_the_core_ends_only_its_request(sync_engine, monkeypatch):
-    """A request straight to the core (past the frontend's check) whose regex cannot
+    """A request straight to the core whose regex cannot be enforced is refused by the
+    core's admission check; one that gets past it (the check skipped here) and cannot
     compile gets an error output; so does one whose matcher refuses a token it sampled
     (made to, here: the mask never allows such a token); the request beside them
     finishes, and every block comes back."""
     import time
 
+    import asyncllm.engine.core as engine_core
     from asyncllm.messages import EngineCoreRequest
     from asyncllm.structured.manager import FillJob
 
@@ -309,6 +311,9 @@ def test_a_grammar_that_fails_in_the_core_ends_only_its_request(sync_engine, mon
         params = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=so)
         return EngineCoreRequest(rid, [1, 2, 3, 4], params, 2, 8, time.monotonic())
 
+    with pytest.raises(ValueError, match="structured_outputs.regex cannot be enforced"):
+        core.add_request(request("bad", S(regex="(unclosed")))
+    monkeypatch.setattr(engine_core, "check_structured", lambda so: None)
     core.add_request(request("bad", S(regex="(unclosed")))
     core.add_request(request("good", S(choice=CHOICES)))
     core.add_request(request("refused", S(choice=CHOICES)))
@@ -347,11 +352,10 @@ def test_the_bitmask_masks_what_a_plain_loop_says():
 
 
 def test_a_bitmask_buffer_is_written_again_only_after_its_copy_ran():
-    """The scheduler's two bitmask buffers alternate; before one is given to a new step,
-    the manager waits for the event the runner recorded after copying it for its last
-    step, unless it has run (a step the runner copied synchronously has none)."""
-    from types import SimpleNamespace
-
+    """The scheduler's two bitmask buffers alternate, named to the runner by index;
+    before one is given to a new step, the manager waits (through the executor's
+    `wait_bitmask_copied`) for the event the runner recorded after copying it for its
+    last step, unless it has run (a step the runner copied synchronously has none)."""
     from asyncllm.structured.manager import StructuredOutputManager
 
     waited: list[str] = []
@@ -366,20 +370,29 @@ def test_a_bitmask_buffer_is_written_again_only_after_its_copy_ran():
         def synchronize(self) -> None:
             waited.append(self.name)
 
+    copied: list = [None, None]  # (the runner's, by buffer)
+
+    def wait_bitmask_copied(k: int) -> None:  # (as ModelRunner.wait_bitmask_copied)
+        if copied[k] is not None and not copied[k].query():
+            copied[k].synchronize()
+
     manager = StructuredOutputManager(None, vocab_size=70)
-    steps = [SimpleNamespace(grammar_bitmask_copied=None) for _ in range(4)]
-    a = manager.allocate_bitmask(2, steps[0])
-    assert a.shape == (2, 3)
-    steps[0].grammar_bitmask_copied = Copied("first")
-    manager.allocate_bitmask(2, steps[1])  # (the other buffer: nothing to wait for)
+    manager.wait_bitmask_copied = wait_bitmask_copied
+    k, a = manager.take_bitmask(2)
+    assert a.shape == (2, 3) and k == 0
+    assert manager.memory().bitmask(k, 2).data_ptr() == a.data_ptr()  # (the runner's view)
+    copied[0] = Copied("first")
+    assert manager.take_bitmask(2)[0] == 1  # (the other buffer: nothing to wait for)
     assert waited == []
-    again = manager.allocate_bitmask(2, steps[2])  # the first buffer, after its copy
-    assert waited == ["first"] and again.data_ptr() == a.data_ptr()
-    manager.allocate_bitmask(2, steps[3])  # its last step was copied synchronously
+    k, again = manager.take_bitmask(2)  # the first buffer, after its copy
+    assert waited == ["first"] and k == 0 and again.data_ptr() == a.data_ptr()
+    copied[1] = None  # its last step was copied synchronously
+    manager.take_bitmask(2)
     assert waited == ["first"]
-    steps[2].grammar_bitmask_copied = Copied("third", done=True)
-    manager.allocate_bitmask(2, steps[0])  # (its copy has run: nothing to wait for)
+    copied[0] = Copied("third", done=True)
+    manager.take_bitmask(2)  # (its copy has run: nothing to wait for)
     assert waited == ["first"]
+    manager.shutdown()
 
 
 def test_a_constrained_request_decodes_every_step(llm):
@@ -1068,7 +1081,7 @@ def test_an_interrupt_while_a_step_is_awaited_leaves_it_in_flight(
     import time
 
     from asyncllm.messages import EngineCoreRequest
-    from asyncllm.worker.model_runner import StepResult
+    from asyncllm.worker.step_result import StepResult
 
     core = inproc_engine.engine.client.core
     monkeypatch.setattr(StepResult, "apply", _interrupting(StepResult.apply, 3))
@@ -1080,7 +1093,7 @@ def test_an_interrupt_while_a_step_is_awaited_leaves_it_in_flight(
         _run_until_done(core, outs)
     assert core.scheduler.num_steps_in_flight == len(core._in_flight) > 0
     # (the step in flight gave no tokens to the fill: its matchers take them when applied)
-    assert not core.scheduler._accepted_ahead
+    assert not core.scheduler.grammar.has_accepted_ahead
     _run_until_done(core, outs)
     final = outs["waited"][-1]
     tokens = [t for o in outs["waited"] for t in o.new_token_ids]
@@ -1104,7 +1117,7 @@ def test_an_interrupt_while_prompt_logprobs_are_read_applies_the_step_once(
     import time
 
     from asyncllm.messages import EngineCoreRequest
-    from asyncllm.worker.model_runner import PendingLogprobs
+    from asyncllm.worker.step_result import PendingLogprobs
 
     core = inproc_engine.engine.client.core
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
@@ -1350,8 +1363,9 @@ def test_a_steps_tokens_go_ahead_to_the_matchers_once(inproc_engine):
             break
     last = core._in_flight[-1][0]
     sched = core.scheduler
-    assert [r.request_id for r, _ in sched._ahead_accepts(last)] == ["once"]
-    assert sched._ahead_accepts(last) == []  # (given already)
+    record = sched._in_flight[id(last)][1]
+    assert [r.request_id for r, _ in sched.grammar.ahead_accepts(last, record)] == ["once"]
+    assert sched.grammar.ahead_accepts(last, record) == []  # (given already)
     sched.accept_when_applied(last)  # (the fill never got them: its update accepts them)
     _run_until_done(core, outs)
     text = inproc_engine.get_tokenizer().decode([t for o in outs["once"] for t in o.new_token_ids])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from asyncllm.config import EngineArgs
-from asyncllm.engine.arg_utils import create_model_config
+from asyncllm.engine.core_config import create_model_config
 from asyncllm.model.attention.torch_native import TorchNativeBackend
 from asyncllm.model.attention.triton_attn import TritonAttentionBackend
 from asyncllm.model.loader import load_model

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncllm.model.paged_decoder import PagedDecoder
+from tests.model.paged_decoder import PagedDecoder
 
 TIE_TOLERANCE = 1e-3
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from asyncllm.config import EngineArgs
-from asyncllm.engine.arg_utils import create_model_config
+from asyncllm.engine.core_config import create_model_config
 from asyncllm.model import gguf_convert, source
 from tests.conftest import ROOT
 

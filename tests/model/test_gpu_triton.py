@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from asyncllm.config import EngineArgs
-from asyncllm.engine.arg_utils import create_model_config
+from asyncllm.engine.core_config import create_model_config
 from asyncllm.model.attention.torch_native import TorchNativeBackend
 from asyncllm.model.loader import load_model
 from tests.model.helpers import run_steps_with_backend
@@ -89,8 +89,8 @@ def test_smollm2(dtype, tol):
 
 
 def test_engine_picks_triton_on_cuda():
+    from asyncllm.model.attention.registry import select_attention_backend
     from asyncllm.model.attention.triton_attn import TritonAttentionBackend
-    from asyncllm.worker.model_runner import select_attention_backend
 
     assert isinstance(select_attention_backend(torch.device("cuda:0")), TritonAttentionBackend)
     native = select_attention_backend(torch.device("cuda:0"), "torch_native")

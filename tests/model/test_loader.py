@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from asyncllm.config import EngineArgs
-from asyncllm.engine.arg_utils import create_model_config
+from asyncllm.engine.core_config import create_model_config
 from asyncllm.model.attention.torch_native import TorchNativeBackend
 from asyncllm.model.loader import DUMMY_WEIGHT_RANGE, load_model
-from asyncllm.model.paged_decoder import PagedDecoder
+from tests.model.paged_decoder import PagedDecoder
 from tests.model.tiny import make_tiny_model
 
 TOKENS = [3, 17, 99, 250, 4, 8, 15, 16, 23, 42]
@@ -186,46 +186,34 @@ def test_failed_conversion_leaves_no_temporary_folder(tmp_path):
     assert list((tmp_path / "cache" / "models").iterdir()) == []
 
 
-def test_the_core_builds_its_config_from_the_hosts_fields_without_transformers(tmp_path):
-    """The engine core's process gets the model's config as fields (EngineStartup's
-    hf_config) and never imports transformers for it; the fields give the model what
-    transformers' own config object gives."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
+def test_the_core_reads_the_model_config_as_transformers_normalises_it(tmp_path):
+    """The engine core resolves the model's config (the host imports no transformers):
+    its fields are transformers' own, and they reach the host through the wire intact
+    (ResolvedConfig.hf_config)."""
     from transformers import AutoConfig
+
+    from asyncllm.engine.core_config import create_engine_config, resolved_config
+    from asyncllm.engine.serial import Decoder, Encoder
+    from asyncllm.messages import FROM_CORE
 
     for arch in ("llama3", "mistral", "qwen2", "qwen3"):
         folder = tmp_path / arch
         make_tiny_model(arch, folder)
-        host = create_model_config(EngineArgs(model=str(folder), device="cpu"))
+        config = create_engine_config(EngineArgs(model=str(folder), device="cpu"))
         ref = AutoConfig.from_pretrained(str(folder))
+        _, sent = Decoder(FROM_CORE).decode(Encoder().encode(resolved_config(config)))
         for name in ("hidden_size", "num_key_value_heads", "rms_norm_eps", "rope_parameters",
                      "tie_word_embeddings", "architectures", "head_dim", "vocab_size",
                      "sliding_window", "layer_types", "attention_bias", "hidden_act"):  # fmt: skip
-            assert getattr(host.hf_config, name, None) == getattr(ref, name, None), (arch, name)
+            want = getattr(ref, name, None)
+            assert getattr(config.model.hf_config, name, None) == want, (arch, name)
+            assert sent.hf_config.get(name) == want, (arch, name)
+        assert (sent.max_model_len, sent.vocab_size) == (
+            config.model.max_model_len,
+            ref.vocab_size,
+        )
     with pytest.raises(AttributeError, match="no field 'not_a_field'"):
-        _ = host.hf_config.not_a_field
-    code = (
-        "import json, sys\n"
-        "from asyncllm.config import EngineArgs\n"
-        "from asyncllm.engine.arg_utils import create_model_config\n"
-        "fields = json.loads(sys.stdin.read())\n"
-        f"mc = create_model_config(EngineArgs(model={str(folder)!r}, device='cpu'), fields)\n"
-        "print(mc.hf_config.hidden_size, 'transformers' in sys.modules)\n"
-    )
-    root = Path(__file__).parents[2]
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        input=json.dumps(host.hf_config.to_dict()),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"PYTHONPATH": f"{root / 'src'}:{root / 'kernels'}", "PATH": "/usr/bin:/bin"},
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [str(ref.hidden_size), "False"]
+        _ = config.model.hf_config.not_a_field
 
 
 def test_conversion_runs_in_a_child_and_its_error_comes_back(tmp_path, monkeypatch):
@@ -241,3 +229,24 @@ def test_conversion_runs_in_a_child_and_its_error_comes_back(tmp_path, monkeypat
         gguf_convert.convert_gguf(bad, tmp_path / "cache")
     assert calls == []  # (not in this process)
     assert type(err.value) in (ValueError, TypeError, FileNotFoundError, RuntimeError)
+
+
+def test_the_normalised_config_is_kept_and_read_back_without_transformers(tmp_path, monkeypatch):
+    """The core's later starts read transformers' reading of config.json from the cache
+    (keyed by the file's bytes): the same fields, transformers not needed; a changed
+    file is read again."""
+    import sys
+
+    from asyncllm.engine.core_config import read_hf_config
+
+    monkeypatch.setenv("ASYNCLLM_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "m"
+    make_tiny_model("llama3", folder)
+    first = read_hf_config(folder).to_dict()
+    monkeypatch.setitem(sys.modules, "transformers", None)  # an import of it would fail
+    assert read_hf_config(folder).to_dict() == first
+    assert first["id2label"] == {0: "LABEL_0", 1: "LABEL_1"}  # (int keys kept)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_size": 96}))
+    with pytest.raises(ImportError):
+        read_hf_config(folder)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from asyncllm.model.attention.torch_native import TorchNativeBackend
-from asyncllm.model.paged_decoder import PagedDecoder
 from tests.model.helpers import assert_greedy_parity, greedy_batch
+from tests.model.paged_decoder import PagedDecoder
 
 
 def test_prompt_and_32_decode_steps_match_reference_logits(

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from asyncllm.config import EngineArgs
-from asyncllm.engine.arg_utils import create_model_config
+from asyncllm.engine.core_config import create_model_config
 from asyncllm.model.attention.torch_native import TorchNativeBackend
 from asyncllm.model.interface import KVCacheSpec
 from asyncllm.model.loader import load_model
-from asyncllm.model.paged_decoder import PagedDecoder
 from tests.model.helpers import assert_greedy_parity, greedy_batch, hf_greedy
+from tests.model.paged_decoder import PagedDecoder
 from tests.model.tiny import ARCHS, make_tiny_model
 
 PROMPT_LENS = [1, 7, 33, 100, 190, 300]

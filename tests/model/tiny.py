@@ -79,8 +79,8 @@ def tiny_engine_core(folder: Path, **extra):
     """An EngineCore on the CPU over a tiny model folder: float32, max_model_len 128, no
     tokenizer, 256 KV blocks; `extra` overrides any EngineArgs field."""
     from asyncllm.config import EngineArgs
-    from asyncllm.engine.arg_utils import create_engine_config
     from asyncllm.engine.core import EngineCore
+    from asyncllm.engine.core_config import create_engine_config
 
     args = dict(
         model=str(folder),

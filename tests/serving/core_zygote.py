@@ -13,7 +13,7 @@ import sys
 
 from asyncllm.config import EngineArgs
 from asyncllm.engine import core_main
-from asyncllm.engine.arg_utils import create_engine_config
+from asyncllm.engine.core_config import create_engine_config
 from asyncllm.executor.instant import InstantExecutor  # noqa: F401
 
 

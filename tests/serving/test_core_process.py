@@ -91,7 +91,7 @@ class HostSide:
         self.input.bind(self.where.input_addr)
         self.output = self.ctx.socket(zmq.PULL)
         self.output.setsockopt(zmq.LINGER, 0)
-        self.output.setsockopt(zmq.RCVHWM, 0)  # as the clients bind it (core_client._MPClientBase)
+        self.output.setsockopt(zmq.RCVHWM, 0)  # as the clients bind it (host_client._MPClientBase)
         self.output.bind(self.where.output_addr)
         self.encoder, self.decoder = Encoder(), Decoder(FROM_CORE)
 
@@ -301,7 +301,7 @@ def test_an_interrupted_start_leaves_no_core_process_behind(monkeypatch):
     """Ctrl-C while `LLM()` waits for the core to be ready (as in a notebook, which
     keeps the traceback, and so the client): the core process is stopped and its socket
     folder removed before the interrupt goes on."""
-    from asyncllm.engine.core_client import SyncMPClient
+    from asyncllm.engine.host_client import SyncMPClient
 
     clients = []
     wait_for = SyncMPClient._wait_for
@@ -440,11 +440,11 @@ SCRIPT_HOLD = textwrap.dedent(
     """
     import sys, time
     from asyncllm.config import EngineArgs
-    from asyncllm.engine.arg_utils import create_engine_config
-    from asyncllm.engine.core_client import SyncMPClient
+    from asyncllm.engine.host_client import SyncMPClient
 
     args = EngineArgs(**{args!r})
-    client = SyncMPClient(create_engine_config(args), args)
+    client = SyncMPClient(args)
+    client.wait_ready()
     print(client.process.pid, client.process.ipc_dir, flush=True)
     time.sleep(600)
     """

@@ -24,6 +24,7 @@ from asyncllm.messages import (
     ErrorKind,
     MsgKind,
     RequestError,
+    ResolvedConfig,
     SchedulerStats,
     UtilityCall,
     UtilityResult,
@@ -44,6 +45,26 @@ EXAMPLES = [
     AbortRequests(["a", "b"]),
     UtilityCall(7, "get_stats"),
     EngineReady(max_model_len=64, num_blocks=10, block_size=16, vocab_size=100),
+    ResolvedConfig(
+        model=None,
+        model_path="/cache/models/m",
+        tokenizer="/cache/models/m",
+        architecture="LlamaForCausalLM",
+        load_format="auto",
+        max_model_len=64,
+        vocab_size=100,
+        eos_token_id=2,
+        max_logprobs=20,
+        dtype="float32",
+        device="cpu",
+        async_scheduling=True,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=16,
+        attention_backend=None,
+        enforce_eager=False,
+        hf_config={"hidden_size": 64, "rope_parameters": {"rope_theta": 1e4}, "layer_types": None},
+    ),
     EngineCoreOutputs(
         outputs=[
             EngineCoreOutput(
@@ -76,7 +97,7 @@ def test_round_trip_keeps_every_field(msg):
 
 
 def test_error_kind_survives_the_wire():
-    out = EXAMPLES[5]
+    out = next(m for m in EXAMPLES if isinstance(m, EngineCoreOutputs))
     _, got = Decoder(FROM_CORE).decode(Encoder().encode(out))
     assert got.outputs[1].error.kind is ErrorKind.OVERLOADED
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from asyncllm.config import EngineArgs, default_capture_sizes
-from asyncllm.engine.arg_utils import create_engine_config
 from asyncllm.engine.core import EngineCore
+from asyncllm.engine.core_config import create_engine_config
 from asyncllm.messages import EngineCoreRequest
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker.step_buffers import StepBuffers, padded_size

@@ -1,10 +1,11 @@
-"""The start-up warm-up of mixed (prefill + decode) steps, on the CPU: one batch per
-decode-launch config of the Triton backend, each inert (the KV cache is untouched)."""
+"""The Triton backend's start-up warm-up of mixed (prefill + decode) steps, on the CPU:
+one batch per decode-launch config, each inert (the KV cache is untouched)."""
 
 from __future__ import annotations
 
 import torch
 
+from asyncllm.model.attention.triton_attn import TritonAttentionBackend, mixed_warm_up_sizes
 from asyncllm_kernels.paged_attention import choose_config
 from tests.model.tiny import make_tiny_model, tiny_engine_core
 
@@ -13,11 +14,18 @@ def test_one_inert_mixed_batch_per_decode_launch_config(tmp_path):
     make_tiny_model("llama3", tmp_path)
     core = tiny_engine_core(tmp_path, max_num_seqs=64)
     try:
-        runner = core.executor.worker.runner
-        sizes = runner.mixed_warm_up_sizes()
+        worker = core.executor.worker
+        runner, startup = worker.runner, worker.startup
+        ctx = startup.warm_up_context()
+        sizes = mixed_warm_up_sizes(ctx)
         spec = runner.model.kv_cache_spec()
         hf = runner.config.model.hf_config
         group = hf.num_attention_heads // hf.num_key_value_heads
+        assert (ctx.num_kv_heads, ctx.head_size, ctx.group) == (
+            spec.num_kv_heads,
+            spec.head_size,
+            group,
+        )
 
         def config(n: int):
             return choose_config(n, spec.num_kv_heads, group, spec.head_size, True, runner.device)
@@ -27,8 +35,10 @@ def test_one_inert_mixed_batch_per_decode_launch_config(tmp_path):
         assert {config(n) for n in sizes} == every
         before = [c.clone() for c in runner.kv_caches]
         for n in sizes:
-            runner.run_inert_mixed_batch(n)
+            startup.run_inert_mixed_batch(n)
         assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
-        assert runner.warm_up_mixed_steps() == 0  # on the CPU: nothing to compile
+        assert startup.warm_up_attention() == 0  # the torch backend: nothing to compile
+        # on the CPU the Triton backend compiles nothing either (the interpreter)
+        assert TritonAttentionBackend().warm_up(ctx) == 0
     finally:
         core.shutdown()

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from asyncllm.config import EngineConfig
+from asyncllm.messages import ResolvedConfig
 from asyncllm.sampling_params import SamplingParams
 
 # The offline workload of nano-vllm's bench.py: with random.seed(0), 256 prompts of
@@ -52,7 +52,12 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget of one step"),
     ("--gpu-memory-utilization", "gpu_memory_utilization", float, "share of GPU memory to use"),
     ("--device", "device", str, "auto, cpu, cuda, cuda:N"),
-    ("--attention-backend", "attention_backend", str, "triton (CUDA) or torch_native"),
+    (
+        "--attention-backend",
+        "attention_backend",
+        str,
+        "auto, triton (CUDA), torch_native, or a registered name",
+    ),
 ]
 
 
@@ -186,12 +191,12 @@ def warmup_requests(
     return prompts, params
 
 
-def num_warmup_requests(args: argparse.Namespace, config: EngineConfig) -> int:
+def num_warmup_requests(args: argparse.Namespace, config: ResolvedConfig) -> int:
     if args.warmup_requests is not None:
         return max(0, args.warmup_requests)
-    if config.model.device.type != "cuda":
+    if not config.device.startswith("cuda"):
         return 1
-    return min(config.scheduler.max_num_seqs, 256)
+    return min(config.max_num_seqs, 256)
 
 
 def _min_len(min_len: int | None, max_len: int, full: int) -> int:
@@ -277,31 +282,30 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def describe_engine(config: EngineConfig) -> dict[str, Any]:
-    """What the figures were measured on."""
+def describe_engine(config: ResolvedConfig) -> dict[str, Any]:
+    """What the figures were measured on (a benchmark's host may import torch: it names
+    the GPU and the torch version)."""
     import torch
 
-    model = config.model
-    device = str(model.device)
-    if model.device.type == "cuda":
-        device_name = torch.cuda.get_device_name(model.device)
+    device = config.device
+    if device.startswith("cuda"):
+        device_name = torch.cuda.get_device_name(torch.device(device))
     else:
         device_name = _cpu_name()
     return {
-        "model": model.model if model.model is not None else "(embedded default)",
-        "model_path": str(model.path),
-        "architecture": model.architecture,
-        "load_format": model.load_format,
-        "dtype": str(model.dtype).removeprefix("torch."),
+        "model": config.model if config.model is not None else "(embedded default)",
+        "model_path": config.model_path,
+        "architecture": config.architecture,
+        "load_format": config.load_format,
+        "dtype": config.dtype,
         "device": device,
         "device_name": device_name,
         "torch": torch.__version__,
-        "cpu_threads": torch.get_num_threads(),
-        "max_model_len": model.max_model_len,
-        "max_num_seqs": config.scheduler.max_num_seqs,
-        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        "max_model_len": config.max_model_len,
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
         "enforce_eager": config.enforce_eager,
-        "async_scheduling": config.scheduler.async_scheduling,
+        "async_scheduling": config.async_scheduling,
         "attention_backend": config.attention_backend,
     }
 

@@ -32,6 +32,8 @@ from asyncllm.bench.roofline import H200_HBM_BYTES_PER_S, ModelShape, decode_flo
 from asyncllm.entrypoints.llm import LLM
 from asyncllm.sampling_params import SamplingParams
 
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
 
 def latency_prompt(
     input_len: int = 128, seed: int = 1, max_token_id: int = MAX_TOKEN_ID
@@ -103,8 +105,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     wall, prefill_s = statistics.median(full), statistics.median(prefill)
     decode_s = (wall - prefill_s) / (args.output_len - 1) if args.output_len > 1 else float("nan")
-    shape = ModelShape.from_hf_config(config.model.hf_config)
-    dtype_bytes = config.model.dtype.itemsize
+    shape = ModelShape.from_hf_config(config.hf_config)
+    dtype_bytes = DTYPE_BYTES[config.dtype]
     floor = decode_floor(shape, dtype_bytes, args.input_len, args.output_len, args.hbm_bandwidth)
     decode_tok_s = 1.0 / decode_s if decode_s > 0 else float("nan")
     result = {

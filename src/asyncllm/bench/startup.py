@@ -1,13 +1,12 @@
-"""Start-up by stage, in a fresh interpreter: `from asyncllm import AsyncLLM` (with
-torch and the tokenizer libraries: imported there, before an application's loop runs,
-not in `start()`), then `AsyncLLM.start()` inside a running event loop, then one short
-request.
+"""Start-up by stage, in a fresh interpreter: `from asyncllm import AsyncLLM` (no torch,
+no transformers: the host never imports them), then `AsyncLLM.start()` inside a running
+event loop, then one short request.
 
-Stages: the import; the host's engine config (in a worker thread of `start()`); the
-wait for the tokenizer process (spawned before the core, it loads the tokenizer while the
-core starts: the wait is what it takes beyond the core); the engine-core
-process, from spawn to ready, split into what the core reports (its engine config,
-loading the weights, the memory profile, the KV cache, CUDA graphs, the rest of
+Stages: the import; the engine-core process from spawn to its resolved configuration
+(its imports, resolving the model); the wait for the tokenizer process (spawned once the
+configuration names the tokenizer, it loads while the core loads the model: the wait is
+what it takes beyond the core); the core's own stages as it reports them (its engine
+config, loading the weights, the memory profile, the KV cache, CUDA graphs, the rest of
 `EngineCore()`) and the remainder (the process's start, its imports, the messages); then
 the first request's time to its first token and to its end. The loop's lag during
 `start()` is the overshoot of a 1 ms ticker (p99 and max).
@@ -44,11 +43,9 @@ def _child(kwargs: dict[str, Any]) -> dict[str, Any]:
 
     from asyncllm import AsyncLLM, SamplingParams  # (as an application does, at its top)
     from asyncllm.bench.host import LoopLag
-    from asyncllm.engine import llm_engine
     from asyncllm.engine.tokenizer_process import ProcessTokenizer
 
     stages: dict[str, float] = {"from asyncllm import AsyncLLM": time.perf_counter() - t0}
-    _time_calls(llm_engine, "create_engine_config", "host: engine config", stages)
     _time_calls(ProcessTokenizer, "wait_ready", TOKENIZER_WAIT, stages)
     lag = LoopLag()
 
@@ -60,8 +57,7 @@ def _child(kwargs: dict[str, Any]) -> dict[str, Any]:
             stages["AsyncLLM.start()"] = time.perf_counter() - t
         assert llm.client is not None and llm.client.info is not None
         core = dict(llm.client.info.startup_seconds)
-        host = stages["host: engine config"] + stages.get(TOKENIZER_WAIT, 0.0)
-        ready = stages["AsyncLLM.start()"] - host
+        ready = stages["AsyncLLM.start()"] - stages.get(TOKENIZER_WAIT, 0.0)
         stages.update(core)
         stages["core: process start, imports, messages"] = ready - sum(core.values())
         params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)

@@ -16,7 +16,7 @@ stages are wall times of the engine's own functions (wrapped, not changed):
   `give_grammar_tokens`; a bitmask filled at scheduling time counts in "schedule"),
   and waiting for its answer (`FillJob.wait`)
 - mask: with `--structured`, the runner masking the logits with the bitmask
-  (`_apply_grammar_bitmask`: the copy to the device and the masking kernels' launch)
+  (`GrammarRows.apply_bitmask`: the copy to the device and the masking kernels' launch)
 - encode: serializing the step's outputs for the wire (`Encoder.encode`), as the
   engine-core process does before sending them to the frontend's process
 - other: the rest of `EngineCore.step` (the core's bookkeeping, output objects)
@@ -174,7 +174,7 @@ def profile_batch(
     from asyncllm import SamplingParams, StructuredOutputsParams
     from asyncllm.engine.serial import Encoder
     from asyncllm.structured.manager import FillJob
-    from asyncllm.worker.model_runner import StepResult
+    from asyncllm.worker.step_result import StepResult
 
     engine = llm.engine
     core = engine.client.core
@@ -201,7 +201,7 @@ def profile_batch(
     _wrap(core.scheduler, "update_from_output", "update", times)
     _wrap(core.scheduler, "plan_grammar_fill", "fill", times)
     _wrap(core.scheduler, "give_grammar_tokens", "fill", times)
-    _wrap(runner, "_apply_grammar_bitmask", "mask", times)
+    _wrap(runner.grammar, "apply_bitmask", "mask", times)
     _wrap(runner, "_update_states", "prepare", times)
     _wrap(runner, "_prepare_inputs", "prepare", times)
     _wrap(runner, "_run_model", "forward", times)

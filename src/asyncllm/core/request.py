@@ -108,11 +108,6 @@ class Request:
         self._hash_at = (len(self.block_hashes) + 1) * self._block_hasher.block_size
 
     @property
-    def num_output_tokens(self) -> int:
-        """Tokens sampled so far (they survive a preemption)."""
-        return len(self.output_token_ids)
-
-    @property
     def is_finished(self) -> bool:
         """Stopped, length-capped, aborted or failed."""
         return RequestStatus.is_finished(self.status)

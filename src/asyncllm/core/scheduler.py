@@ -36,33 +36,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from concurrent.futures import FIRST_COMPLETED
-from concurrent.futures import wait as futures_wait
 from typing import TYPE_CHECKING
 
 from asyncllm.config import SchedulerConfig, SchedulingPolicy
 from asyncllm.core.block_pool import KVCacheBlock
+from asyncllm.core.grammar_fill import GrammarFill, Scheduled
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.request_queue import create_request_queue
 from asyncllm.messages import EngineCoreOutput, ErrorKind, RequestError, SchedulerStats
-from asyncllm.structured.grammar_process import GrammarProcessError
-
-if TYPE_CHECKING:
-    from asyncllm.structured.manager import (
-        Accepts,
-        FillJob,
-        StructuredOutputManager,
-        StructuredRequest,
-    )
 from asyncllm.step_io import (
     CachedRequestData,
-    GrammarSync,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
     TokenLogprobs,
 )
+
+if TYPE_CHECKING:
+    from asyncllm.structured.manager import FillJob, StructuredOutputManager
 
 
 class _StepPlan:
@@ -109,12 +101,55 @@ class _StepPlan:
 # One request of a scheduled step, as it was when scheduled: the request, its computed
 # tokens before the step, whether the step samples a token for it (it reaches the end
 # of its tokens), and its preemption count (a later preemption voids the step's result).
-_Scheduled = tuple[Request, int, bool, int]
+_Scheduled = Scheduled
 
 
 class Scheduler:
     """Owns every unfinished request: `requests` by id, `waiting` (a queue under the
-    policy) and `running` (in the order their tokens go into each batch)."""
+    policy), `running` (in the order their tokens go into each batch), and through
+    `grammar` (core/grammar_fill.py) those whose grammars compile.
+
+    The contract with the engine core and the model runner (after vLLM v1's
+    `SchedulerInterface`):
+
+    `add_request(req)` queues a request; `finish_requests(ids, status)` ends requests
+    from outside (aborts, stop strings found by the frontend).
+
+    `schedule()` returns a `SchedulerOutput`, plain data (step_io.py): the requests the
+    runner has not seen (`scheduled_new_reqs`, all of their data: new, or resumed after
+    a preemption with their output tokens), what changed for those it holds
+    (`scheduled_cached_reqs`: new block ids and computed tokens before the step), the
+    tokens each computes this step (`num_scheduled_tokens`, in batch order), the ids it
+    must forget (`finished_req_ids`: finished, aborted or preempted since the last
+    step), and for constrained requests that sample, their bitmask rows
+    (`structured_req_ids`, `grammar_buffer` and, for a device step, `grammar_seq`).
+    Every step it returns must be run (or retired with `retire_unlaunched`): each
+    scheduled request's `num_computed_tokens` is advanced by its scheduled count at
+    schedule time, as if the step had run.
+
+    A step samples for a request when its scheduled tokens reach the end of the
+    request's tokens (known ones plus output placeholders). Until that step is
+    applied, its sample is an output placeholder (`Request.num_output_placeholders`
+    grows by one), so the next step may schedule the decode of a token still in
+    flight (async scheduling; the runner feeds it from the device).
+
+    `update_from_output(sched, runner_output)` applies the step `sched` once, from the
+    record made when it was scheduled: it expects `runner_output.sampled_token_ids`
+    to give each request that sampled a list of k >= 1 tokens (an empty list, or no
+    entry, for one still in prefill), `logprobs` with one position per token,
+    `prompt_logprobs` for the chunk's prompt positions, and `failed` for requests the
+    runner could not take. The placeholder is released, then the k tokens are appended
+    in order with the stop rules checked after each (eos, stop tokens, max_tokens,
+    max_model_len, a grammar's end); the tokens after the first that ends the request
+    are dropped. k > 1 is how speculative decoding would return a step's accepted
+    drafts plus its bonus token: a request with d drafts would be scheduled 1 + d
+    tokens (its computed tokens advanced by 1 + d), and get k <= 1 + d back; its
+    computed tokens would then go back by the 1 + d - k rejected positions (not done
+    yet: nothing schedules drafts). Tokens appended beyond those computed are computed
+    by the next step (`_num_new_tokens`). Requests that finished, were aborted or were preempted
+    since `sched` get nothing; a request the runner failed is ended, its unwritten
+    blocks unregistered from the prefix cache.
+    """
 
     def __init__(
         self,
@@ -124,25 +159,21 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.kv = kv_cache_manager
-        self.structured = structured
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.policy)
-        self.compiling: list[Request] = []  # waiting for their grammars, not yet queued
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # for the runner to forget, next step
         self.stats = SchedulerStats(num_blocks=kv_cache_manager.num_blocks)
         self._error_outputs: list[EngineCoreOutput] = []  # requests ended by `schedule()`
         # Steps scheduled and not yet applied: id(SchedulerOutput) -> (it, its requests).
         self._in_flight: dict[int, tuple[SchedulerOutput, list[_Scheduled]]] = {}
-        # Steps whose grammar bitmask is still to fill (see `masks_due`): their
-        # constrained requests, by bitmask row.
-        self._masks_due: dict[int, list[Request]] = {}
-        # Tokens kept since the last fill, for the matchers to accept first (see
-        # `_fill_masks`).
-        self._accepts: Accepts = []
-        # Steps whose tokens were queued for the matchers before their results were
-        # applied (`plan_grammar_fill(ahead=...)`): their update takes none.
-        self._accepted_ahead: set[int] = set()
+        # Structured outputs: grammars compiling, bitmasks to fill, tokens for matchers.
+        self.grammar = GrammarFill(structured, self.requests, self._fail_later)
+
+    @property
+    def compiling(self) -> list[Request]:
+        """Requests waiting for their grammars, not yet queued."""
+        return self.grammar.compiling
 
     # -- requests in and out -------------------------------------------------------
 
@@ -151,40 +182,12 @@ class Scheduler:
         of a finished one may be reused)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        so = request.sampling_params.structured_outputs
-        if so is not None:
-            if self.structured is None:
-                raise ValueError("structured_outputs are not available in this engine")
-            request.structured = self.structured.request(so)
+        if request.sampling_params.structured_outputs is not None:
+            self.grammar.add(request)  # queued once its grammar is ready
             self.requests[request.request_id] = request
-            self.compiling.append(request)  # queued once its grammar is ready
             return
         self.requests[request.request_id] = request
         self.waiting.add(request)
-
-    def _queue_compiled(self, wait: bool) -> None:
-        """Queues the requests whose grammars are ready and ends those whose grammars
-        failed. With `wait` (nothing else to schedule), waits for the first one."""
-        if wait and not any(r.structured.future.done() for r in self.compiling):
-            futures_wait([r.structured.future for r in self.compiling], return_when=FIRST_COMPLETED)
-        still, failed = [], []
-        for req in self.compiling:
-            try:
-                ready = req.structured.ready()
-            except GrammarProcessError as e:  # (its matcher could not be made)
-                self._grammar_process_lost(e)
-                failed.append((req, str(e)))
-                continue
-            if not ready:
-                still.append(req)
-            elif (error := req.structured.error()) is not None:
-                failed.append((req, error))
-            else:
-                self.waiting.add(req)
-        self.compiling = still
-        for req, error in failed:
-            why = f"its structured output cannot be compiled: {error}"
-            self._error_outputs.append(self._fail(req, ErrorKind.INVALID, why))
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Ends requests from outside (an abort, or a stop string the frontend found)
@@ -201,9 +204,7 @@ class Scheduler:
         running = {id(r) for r in ended if r.status == RequestStatus.RUNNING}
         if running:
             self.running = [r for r in self.running if id(r) not in running]
-        ended_ids = {id(r) for r in ended}
-        if self.compiling:
-            self.compiling = [r for r in self.compiling if id(r) not in ended_ids]
+        self.grammar.forget({id(r) for r in ended})
         self.waiting.remove_many([r for r in ended if id(r) not in running])
         for req in ended:
             req.status = status
@@ -220,6 +221,10 @@ class Scheduler:
             finish_reason="abort",
             error=RequestError(kind, reason),
         )
+
+    def _fail_later(self, req: Request, kind: ErrorKind, reason: str) -> None:
+        """`_fail`, its output for `take_error_outputs`."""
+        self._error_outputs.append(self._fail(req, kind, reason))
 
     def take_error_outputs(self) -> list[EngineCoreOutput]:
         """The outputs of requests `schedule()` ended because they could never be
@@ -245,7 +250,7 @@ class Scheduler:
         back, the blocks held for it released), as if the runner had refused them, and
         no step of it stays in flight; the ids it was to tell the runner to forget go
         with the next step. Returns their outputs."""
-        self._masks_due.pop(id(sched), None)
+        self.grammar.drop(sched)
         self.finished_req_ids |= sched.finished_req_ids
         record = self._in_flight.get(id(sched))
         failed = {req.request_id: why for req, *_ in record[1]} if record is not None else {}
@@ -306,7 +311,8 @@ class Scheduler:
         """
         if self.compiling:
             idle = not self.running and not len(self.waiting) and not self._in_flight
-            self._queue_compiled(wait=idle)
+            for req in self.grammar.take_compiled(wait=idle):
+                self.waiting.add(req)
         step = _StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted:  # the pool is short: admitting would only preempt again
@@ -403,19 +409,7 @@ class Scheduler:
             self.running.remove(req)
             self._preempt(req)
             if rebuild_matchers and req.structured is not None:
-                self._rebuild_matcher(req)
-
-    def _rebuild_matcher(self, req: Request) -> None:
-        """Gives `req` a new matcher that accepts the tokens it kept, with the next fill
-        (the old one, and the accepts still queued for it, are let go)."""
-        assert self.structured is not None and req.structured is not None
-        self._accepts = [a for a in self._accepts if a[0] is not req]
-        try:
-            req.structured = structured = self.structured.renew(req.structured)
-        except GrammarProcessError as e:  # (its matcher could not be made: it ends)
-            self._grammar_process_lost(e)
-            return
-        self._accepts.extend((req, structured, t) for t in req.output_token_ids)
+                self.grammar.rebuild_matcher(req)
 
     def _preempt(self, victim: Request) -> None:
         """Preempts `victim`, taken out of `running`: its blocks are freed, its progress
@@ -560,23 +554,19 @@ class Scheduler:
             num_decode_tokens=decode,
         )
         if structured:
-            assert self.structured is not None
-            out.grammar_bitmask = self.structured.allocate_bitmask(len(structured), out)
-            out.structured_req_ids = [r.request_id for r in structured]
-            if lagging:
-                self._masks_due[id(out)] = structured
-            else:
-                self._fill_masks(out, structured)
+            self.grammar.plan_masks(out, structured, lagging)
         if scheduled:
             self._in_flight[id(out)] = (out, scheduled)
         return out
+
+    # -- structured outputs: the grammar fill (see core/grammar_fill.py) -----------
 
     def masks_due(self, sched: SchedulerOutput) -> bool:
         """Whether `sched`'s grammar bitmask waits for `plan_grammar_fill`: one of its
         constrained requests samples after a token still in flight, which its matcher
         must accept first. The step's results (`update_from_output`) of every step in
         flight must be applied before it is filled, and it before `sched` runs."""
-        return id(sched) in self._masks_due
+        return self.grammar.masks_due(sched)
 
     def plan_grammar_fill(
         self, sched: SchedulerOutput, ahead: SchedulerOutput | None = None, device: bool = False
@@ -591,128 +581,29 @@ class Scheduler:
         runs in the grammar process while the caller goes on; `finish_fill` waits for
         it, before `sched` samples. A `device` fill (the structured manager's
         `device_steps`) gets the tokens of `ahead` from the device, and the device
-        waits for its bitmask: `sched.grammar_sync` tells the runner how."""
-        structured = self._masks_due.pop(id(sched), None)
-        if structured is None:
-            return None
-        return self._fill_masks(
-            sched, structured, wait=False, ahead=self._ahead_accepts(ahead), device=device
+        waits for its bitmask: `sched.grammar_seq` and `grammar_ahead_req_ids` tell the
+        runner how."""
+        record = self._in_flight.get(id(ahead)) if ahead is not None else None
+        return self.grammar.plan_grammar_fill(
+            sched, ahead, record[1] if record is not None else None, device
         )
-
-    def _ahead_accepts(
-        self, sched: SchedulerOutput | None
-    ) -> list[tuple[Request, StructuredRequest]]:
-        """The constrained requests of the step in flight `sched` whose tokens its
-        update will keep, as far as is known before it has run (`give_grammar_tokens`
-        drops those the runner failed or that ended since), with their constraints."""
-        record = self._in_flight.get(id(sched)) if sched is not None else None
-        if record is None or self.structured is None or id(sched) in self._accepted_ahead:
-            return []  # (none, or sent ahead already: a device's hand-over that went on)
-        self._accepted_ahead.add(id(sched))
-        running = RequestStatus.RUNNING
-        return [
-            (req, req.structured)
-            for req, _, samples, preemptions in record[1]
-            if samples
-            and req.structured is not None
-            and req.status == running
-            and req.num_preemptions == preemptions
-        ]
 
     def accept_when_applied(self, sched: SchedulerOutput) -> None:
         """The step's tokens go to its matchers when it is applied after all: the fill
         `plan_grammar_fill` sent ahead of them never got them (its launch failed)."""
-        self._accepted_ahead.discard(id(sched))
+        self.grammar.accept_when_applied(sched)
 
     def give_grammar_tokens(self, job: FillJob | None, runner: ModelRunnerOutput | None) -> None:
         """Sends `job` (`plan_grammar_fill`'s) the tokens its step ahead sampled
         (`runner`, its output; None: it had none), up to the first that ends a grammar;
         the fill then runs."""
-        if job is not None and runner is None:
-            job.release_tokens()  # (a device job: its step did not launch)
-        if job is None or job.ahead_keys is None:
-            return
-        running = RequestStatus.RUNNING
-        ends = self.structured.stop_token_ids if self.structured is not None else frozenset()
-        tokens: list[list[int]] = []
-        for req in job.ahead_keys:
-            rid = req.request_id
-            toks: list[int] = []
-            if runner is not None and req.status == running and rid not in runner.failed:
-                for token in runner.sampled_token_ids.get(rid, ()):
-                    toks.append(token)
-                    if token in ends:
-                        break
-            tokens.append(toks)
-        job.give_tokens(tokens)
-
-    def _fill_masks(
-        self,
-        sched: SchedulerOutput,
-        structured: list[Request],
-        wait: bool = True,
-        ahead: list[tuple[Request, StructuredRequest]] | None = None,
-        device: bool = False,
-    ) -> FillJob | None:
-        """The matchers accept the tokens kept since the last fill (then those of
-        `ahead`, to come: see `plan_grammar_fill`), then the bitmask's rows are filled,
-        in the grammar process; waited for here (`wait`), or by `finish_fill`. The
-        requests not running get all-allowing rows."""
-        assert self.structured is not None  # (it made their constraints)
-        accepts, self._accepts = self._accepts, []
-        running = RequestStatus.RUNNING
-        rows = []
-        for row, req in enumerate(structured):
-            if req.status == running:
-                rows.append((row, req.structured))
-            else:
-                sched.grammar_bitmask.numpy()[row] = -1  # (allows all: its token is dropped)
-        try:
-            job = self.structured.start_fill(sched.grammar_bitmask, rows, accepts, ahead, device)
-        except GrammarProcessError as e:
-            sched.grammar_bitmask.fill_(-1)  # (allows all: the tokens are dropped)
-            self._grammar_process_lost(e)
-            return None
-        if job.seq:
-            tokens, flags = self.structured.device_buffers()
-            ahead_ids = [req.request_id for req, _ in ahead or ()]
-            sched.grammar_sync = GrammarSync(job.seq, ahead_ids, tokens, flags)
-        if wait:
-            self.finish_fill(job)
-            return None
-        return job
+        self.grammar.give_grammar_tokens(job, runner)
 
     def finish_fill(self, job: FillJob) -> None:
-        """Waits for a fill `plan_grammar_fill` started, and ends the
-        requests whose grammar refused one of the tokens it accepted (or, if the grammar
-        process was lost, every request whose matcher it held)."""
-        try:
-            refused = job.wait()
-        except GrammarProcessError as e:  # (the step's bitmask now allows every token)
-            if not job.stale:  # (a stale job's process was lost, and dealt with, before)
-                self._grammar_process_lost(e)
-            return
-        self._refuse(refused)
-
-    def _grammar_process_lost(self, error: GrammarProcessError) -> None:
-        """Ends every unfinished request whose matcher lived in the grammar process, with
-        the error; the others go on, and the next matcher starts a new process."""
-        assert self.structured is not None
-        self.structured.reset()
-        self._accepts = []  # (all for matchers of that process)
-        why = f"its grammar's matcher was lost: {error}"
-        for req in list(self.requests.values()):
-            if req.structured is not None and req.structured.matcher_id is not None:
-                if not req.is_finished:
-                    self._error_outputs.append(self._fail(req, ErrorKind.FAILED, why))
-
-    def _refuse(self, reqs: list[Request]) -> None:
-        """Ends the requests whose grammar refused a token they kept (the mask allows
-        only tokens the grammar accepts: a bug if any)."""
-        for req in reqs:
-            if not req.is_finished:
-                why = "a sampled token breaks its grammar"
-                self._error_outputs.append(self._fail(req, ErrorKind.FAILED, why))
+        """Waits for a fill `plan_grammar_fill` started, and ends the requests whose
+        grammar refused one of the tokens it accepted (or, if the grammar process was
+        lost, every request whose matcher it held)."""
+        self.grammar.finish_fill(job)
 
     def _record_step(self, prefill: int, decode: int, chunked: bool) -> None:
         s = self.stats
@@ -734,8 +625,7 @@ class Scheduler:
         finished requests are freed (the runner hears of them next step). Requests that
         ended or were preempted since `sched` was made get nothing, even if a new
         request took the id in the meantime; blocks held for this step are released."""
-        accept = id(sched) not in self._accepted_ahead
-        self._accepted_ahead.discard(id(sched))
+        accept = not self.grammar.take_accepted_ahead(sched)
         record = self._in_flight.pop(id(sched), None)
         if record is None:
             return []
@@ -764,17 +654,6 @@ class Scheduler:
                 req.held_blocks = None
         return outputs
 
-    @staticmethod
-    def _takes_result(req: Request, preemptions: int, runner: ModelRunnerOutput) -> bool:
-        """Whether `update_from_output` appends the request's tokens from `runner`: it
-        still runs, was not preempted since the step (`preemptions` then), and the
-        runner took it."""
-        return (
-            req.status == RequestStatus.RUNNING
-            and req.num_preemptions == preemptions
-            and req.request_id not in runner.failed
-        )
-
     def _update_request(
         self,
         req: Request,
@@ -782,25 +661,21 @@ class Scheduler:
         accept: bool = True,
         computed_before: int = 0,
     ) -> EngineCoreOutput | None:
-        """Appends the request's sampled tokens up to the first that ends it (the rest
-        are dropped); its output, or None if it has nothing to report. `accept`: its
+        """Appends the request's k >= 1 sampled tokens of the step in order, checking the
+        stop rules after each: the tokens after the first that ends it are dropped (and
+        their logprobs). Its output, or None if it has nothing to report. `accept`: its
         matcher is to accept them (False: `plan_grammar_fill` sent them already)."""
         rid = req.request_id
         new_tokens: list[int] = []
         finished = False
-        structured = req.structured
-        ends_grammar = (
-            self.structured.stop_token_ids
-            if structured is not None and self.structured is not None
-            else ()
-        )
-        for token in runner.sampled_token_ids.get(rid, ()):
+        constrained = req.structured is not None
+        ends_grammar = self.grammar.stop_token_ids if constrained else ()
+        sampled = runner.sampled_token_ids.get(rid, ())
+        for token in sampled:
             req.append_token(token)
             new_tokens.append(token)
-            if structured is not None and accept:
-                # Its matcher accepts it just before the request's next mask is
-                # filled, with the others' (see `_fill_masks`).
-                self._accepts.append((req, structured, token))
+            if constrained and accept:
+                self.grammar.note_kept(req, token)
             if self._check_stop(req, token):
                 finished = True
                 break
@@ -813,10 +688,16 @@ class Scheduler:
             prompt_lp = self._new_prompt_logprobs(req, prompt_lp, computed_before)
         if not new_tokens and prompt_lp is None and not finished:
             return None  # mid-prefill: nothing to say yet
+        logprobs = runner.logprobs.get(rid) if runner.logprobs and new_tokens else None
+        if logprobs is not None and len(new_tokens) < len(logprobs.ranks):  # (some dropped)
+            k = len(new_tokens)
+            logprobs = TokenLogprobs(
+                logprobs.token_ids[:k], logprobs.logprobs[:k], logprobs.ranks[:k]
+            )
         out = EngineCoreOutput(
             rid,
             new_tokens,
-            runner.logprobs.get(rid) if runner.logprobs and new_tokens else None,
+            logprobs,
             prompt_lp,
             RequestStatus.finish_reason(req.status) if finished else None,
             req.stop_reason,

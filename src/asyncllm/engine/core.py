@@ -32,8 +32,10 @@ from asyncllm.messages import (
     RequestError,
     SchedulerStats,
 )
-from asyncllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from asyncllm.request_checks import check_params_for_model, check_prompt_token_ids
+from asyncllm.sampling_params import INT64_MAX, INT64_MIN
 from asyncllm.step_io import ModelRunnerOutput, SchedulerOutput
+from asyncllm.structured.grammar import check as check_structured
 from asyncllm.structured.manager import FillJob, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,10 @@ class EngineCore:
             pin_memory=config.model.device.type == "cuda",
             max_rows=config.scheduler.max_num_seqs,
         )
+        # The worker finds the bitmask and the handshake's memory that each step names by
+        # index; the manager waits for the worker's copy before it reuses a buffer.
+        self.executor.attach_grammar_memory(self.structured.memory())
+        self.structured.wait_bitmask_copied = self.executor.wait_bitmask_copied
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.structured)
         self._block_hasher = BlockHasher(cache.block_size) if cache.enable_prefix_caching else None
         self._pending_outputs: list[EngineCoreOutput] = []
@@ -71,55 +77,33 @@ class EngineCore:
         self._device_steps: bool | None = None  # (known at the first fill that needs it)
 
     def _check_request(self, req: EngineCoreRequest) -> int:
-        """What the frontend guarantees, checked again: a request may come straight
-        through the socket. ValueError or TypeError naming the problem (the core's
-        process answers it with an INVALID error for that request); returns max_tokens,
-        capped by the room the prompt leaves."""
+        """The engine's admission check, run once per request (a request may also come
+        straight through the socket): what needs the engine (model length, vocabulary,
+        logprob limits, whether its structured-output constraint can be enforced) and
+        the wire fields; `SamplingParams.verify()` for the rest. ValueError or TypeError
+        naming the problem (the core's process answers it with an INVALID error for that
+        request); returns max_tokens, capped by the room the prompt leaves."""
         if not isinstance(req.request_id, str) or not req.request_id:
             raise TypeError("request_id must be a non-empty str")
         ids = req.prompt_token_ids
         max_len = self.config.model.max_model_len
-        if not isinstance(ids, list) or not all(type(t) is int for t in ids):
-            raise TypeError("prompt_token_ids must be a list of int")
-        if not ids:
-            raise ValueError("prompt must not be empty (no prompt_token_ids)")
-        if len(ids) > max_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={max_len}")
-        vocab = self.vocab_size
-        lo, hi = min(ids), max(ids)
-        if lo < 0 or (vocab is not None and hi >= vocab):
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"prompt_token_ids has token id {bad}, outside [0, {vocab})")
+        check_prompt_token_ids(ids, self.vocab_size, max_len)
         params = req.sampling_params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(
-                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
-            )
-        params.verify()
-        if vocab is not None:
-            for t in params.stop_token_ids or ():
-                if t >= vocab:
-                    raise ValueError(f"stop_token_ids has token id {t}, outside [0, {vocab})")
-            for t in params.logit_bias or {}:
-                if t >= vocab:
-                    raise ValueError(f"logit_bias has token id {t}, outside [0, {vocab})")
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(params, name)
-            if v is not None and v > self.config.max_logprobs:
-                raise ValueError(
-                    f"{name} is {v}; at most max_logprobs={self.config.max_logprobs} are allowed"
-                )
+        check_params_for_model(params, self.vocab_size, self.config.max_logprobs)
         eos = req.eos_token_id
         if eos is not None and (type(eos) is not int or eos < 0):
             raise ValueError(f"eos_token_id must be None or a non-negative int, got {eos!r}")
-        if type(req.max_tokens) is not int or req.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {req.max_tokens!r}")
+        if req.max_tokens is not None and (type(req.max_tokens) is not int or req.max_tokens < 1):
+            raise ValueError(f"max_tokens must be None or at least 1, got {req.max_tokens!r}")
+        if params.structured_outputs is not None:
+            check_structured(params.structured_outputs)  # (cached by the constraint)
         if type(req.priority) is not int or not INT64_MIN <= req.priority <= INT64_MAX:
             raise ValueError(f"priority must be an int64, got {req.priority!r}")
         if not isinstance(req.arrival_time, int | float) or not math.isfinite(req.arrival_time):
             raise ValueError(f"arrival_time must be a finite number, got {req.arrival_time!r}")
         # (a prompt of max_model_len tokens still gets the token its prefill samples)
-        return min(req.max_tokens, max(1, max_len - len(ids)))
+        room = max(1, max_len - len(ids))
+        return room if req.max_tokens is None else min(req.max_tokens, room)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queues a request. ValueError or TypeError if it is malformed (see
@@ -248,7 +232,7 @@ class EngineCore:
         except BaseException:
             # (the grammar process waits for the job's tokens: it gets none, and the
             # next step can be sent; unless the device's hand-over is queued)
-            if sched.grammar_sync is None or not sched.grammar_sync.given:
+            if not sched.grammar_seq or not self.executor.grammar_tokens_given(sched.grammar_seq):
                 given = job is not None and job.tokens_sent  # (interrupted just after)
                 self.scheduler.give_grammar_tokens(job, None)
                 if last is not None and not given and any(s is last for s, _ in self._in_flight):

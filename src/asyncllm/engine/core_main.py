@@ -3,8 +3,9 @@
 Started as `python -m asyncllm.engine.core_main --input ADDR --output ADDR` by a client
 (never by multiprocessing re-importing the caller's __main__), so user scripts need no
 `if __name__ == "__main__"` guard. The first message is EngineStartup (the engine
-arguments); the process answers EngineReady (or EngineDead with the reason) once the
-model is loaded. `host_launcher` is the other side: it starts this process.
+arguments); the process resolves them (the model's folder and config, the device, the
+dtype: the host imports none of what that takes) and answers ResolvedConfig, then
+EngineReady once the model is loaded (or EngineDead with the reason, at any point). `host_launcher` is the other side: it starts this process.
 
 Threads: one decodes input frames into a queue (a malformed frame is logged and dropped;
 one for a request or a utility call whose id can still be read ends that request or call
@@ -33,8 +34,8 @@ import zmq
 
 from asyncllm import envs
 from asyncllm.config import EngineArgs
-from asyncllm.engine.arg_utils import create_engine_config
 from asyncllm.engine.core import EngineCore
+from asyncllm.engine.core_config import create_engine_config, resolved_config
 from asyncllm.engine.heap import freeze_startup_objects, trim_heap, unfreeze_objects
 from asyncllm.engine.host_launcher import remove_private_ipc_dir
 from asyncllm.engine.serial import Decoder, Encoder
@@ -150,7 +151,8 @@ class EngineCoreProc:
         try:
             t0 = time.monotonic()
             engine_args: dict[str, Any] = dict(startup.engine_args)
-            config = create_engine_config(EngineArgs(**engine_args), startup.hf_config)
+            config = create_engine_config(EngineArgs(**engine_args))
+            self.send_now(resolved_config(config))  # the host starts its tokenizer now
             t1 = time.monotonic()
             core = self.core = EngineCore(config)
             stages = {"core: engine config": t1 - t0}
@@ -161,7 +163,9 @@ class EngineCoreProc:
             raise
         except BaseException as e:  # noqa: BLE001 (every failure goes to the client)
             self.report_death(
-                DeadKind.STARTUP_FAILED, f"engine core failed to start: {type(e).__name__}: {e}"
+                DeadKind.STARTUP_FAILED,
+                f"engine core failed to start: {type(e).__name__}: {e}",
+                type(e).__name__,
             )
             raise _Reported() from e
         self._input_thread = threading.Thread(
@@ -223,18 +227,18 @@ class EngineCoreProc:
             raise _Stop(reason)
         self.in_q.put(_Control(reason, failed=False))
 
-    def report_death(self, kind: DeadKind, reason: str) -> None:
+    def report_death(self, kind: DeadKind, reason: str, error_type: str | None = None) -> None:
         """Sends EngineDead behind any pending outputs (through the output thread while it
         lives, as its last message); never raises: the exit must go on."""
         try:
             out = self._output_thread
             if out is not None and not self._output_failed and out.is_alive():
-                self.out_q.put(EngineDead(kind, reason))
+                self.out_q.put(EngineDead(kind, reason, error_type))
                 self.out_q.put(None)
                 return
             if out is not None:
                 out.join(JOIN_S)  # a failed output thread is on its way out
-            self.send_now(EngineDead(kind, reason))
+            self.send_now(EngineDead(kind, reason, error_type))
         except Exception:  # noqa: BLE001
             logger.exception("could not report the engine core's death")
 

@@ -13,27 +13,24 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from asyncllm import envs
-from asyncllm.config import EngineArgs
+from asyncllm.config import EngineArgs, is_torch_object
 from asyncllm.messages import EngineStartup
 
 MAX_IPC_PATH = 107  # bytes in a unix socket path (sun_path)
 
 
-def startup_message(args: EngineArgs, hf_config: dict[str, Any] | None = None) -> EngineStartup:
-    """The engine arguments as plain values (dtypes and devices by name), and the
-    model's config fields where the host has read them."""
+def startup_message(args: EngineArgs) -> EngineStartup:
+    """The engine arguments as plain values (a torch dtype or device by its name)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(args):
         v = getattr(args, f.name)
-        if isinstance(v, torch.dtype):
+        if is_torch_object(v, "dtype"):
             v = str(v).removeprefix("torch.")
-        elif isinstance(v, torch.device):
+        elif is_torch_object(v, "device"):
             v = str(v)
         out[f.name] = v
-    return EngineStartup(engine_args=out, hf_config=hf_config)
+    return EngineStartup(engine_args=out)
 
 
 IPC_PREFIX = "allm-"  # the private socket folder's name starts so

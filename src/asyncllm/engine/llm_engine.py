@@ -7,14 +7,13 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from asyncllm.config import EngineArgs, EngineConfig
-from asyncllm.engine.arg_utils import create_engine_config
-from asyncllm.engine.core_client import EngineCoreClient, SyncMPClient
+from asyncllm.config import EngineArgs
 from asyncllm.engine.heap import freeze_startup_objects, unfreeze_objects
-from asyncllm.engine.tokenizer_process import ProcessTokenizer
+from asyncllm.engine.host_client import EngineCoreClient, SyncMPClient
 from asyncllm.errors import EngineStartupError
 from asyncllm.frontend.frontend import Frontend
 from asyncllm.frontend.input_processor import PromptType
+from asyncllm.messages import ResolvedConfig
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
@@ -25,41 +24,10 @@ def startup_error(e: Exception) -> EngineStartupError:
     return EngineStartupError(f"{type(e).__name__}: {e}")
 
 
-def create_host_side(args: EngineArgs) -> tuple[EngineConfig, Frontend]:
-    """The host's half of start-up for LLM: the engine config (the model resolved) and
-    the frontend (the tokenizer loaded). Any failure raises EngineStartupError with its
-    cause chained."""
-    try:
-        config = create_engine_config(args)
-        return config, Frontend.create(config)
-    except Exception as e:
-        raise startup_error(e) from e
-
-
-def start_host_side(args: EngineArgs) -> tuple[EngineConfig, ProcessTokenizer | None]:
-    """AsyncLLM's half of it, in two steps so the tokenizer process loads while the
-    engine core starts: the engine config and the tokenizer process, spawned (None
-    with skip_tokenizer_init). `finish_host_side` then waits for it."""
-    try:
-        config = create_engine_config(args)
-        if config.skip_tokenizer_init:
-            return config, None
-        assert config.model.tokenizer is not None
-        return config, ProcessTokenizer(config.model.tokenizer)
-    except Exception as e:
-        raise startup_error(e) from e
-
-
-def finish_host_side(config: EngineConfig, tokenizer: ProcessTokenizer | None) -> Frontend:
-    """The frontend, once the tokenizer process is ready (blocks: off the loop)."""
-    try:
-        return Frontend(config, tokenizer.wait_ready() if tokenizer is not None else None)
-    except Exception as e:
-        raise startup_error(e) from e
-
-
 class LLMEngine:
-    def __init__(self, config: EngineConfig, frontend: Frontend, client: EngineCoreClient) -> None:
+    def __init__(
+        self, config: ResolvedConfig, frontend: Frontend, client: EngineCoreClient
+    ) -> None:
         self.config = config
         self.frontend = frontend
         self.client = client
@@ -72,16 +40,24 @@ class LLMEngine:
     def from_engine_args(
         cls, args: EngineArgs, client_class: type[EngineCoreClient] = SyncMPClient
     ) -> LLMEngine:
-        """Starts an engine; any failure raises EngineStartupError (cause chained)."""
-        config, frontend = create_host_side(args)
+        """Starts an engine; any failure raises EngineStartupError (cause chained). The
+        tokenizer loads here while the core loads its model."""
         try:
-            client = client_class(config, args)
+            client = client_class(args)
         except EngineStartupError:
             raise  # (the client's own: already says why)
         except Exception as e:
             raise startup_error(e) from e
+        try:
+            frontend = Frontend.create(client.config)
+            client.wait_ready()
+        except BaseException as e:
+            client.shutdown()
+            if isinstance(e, EngineStartupError) or not isinstance(e, Exception):
+                raise
+            raise startup_error(e) from e
         freeze_startup_objects()
-        return cls(config, frontend, client)
+        return cls(client.config, frontend, client)
 
     def get_tokenizer(self) -> Any | None:
         return self.frontend.tokenizer

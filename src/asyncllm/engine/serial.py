@@ -5,25 +5,47 @@ A message is a multipart ZMQ frame list: [kind, payload, *buffers]. Only the str
 before a byte leaves. numpy arrays inside a message travel as raw buffers in their own
 frames (no copy into the msgpack body): the body holds an ext record (dtype, shape,
 frame index).
+
+Between the engine core and its workers the step data go the same way under their own
+kinds (`StepEncoder`, `StepDecoder`): `SchedulerOutput` and `ModelRunnerOutput`
+(step_io.py, plain dataclasses; sets travel as arrays and come back as sets).
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import msgspec
 import numpy as np
 
 from asyncllm.messages import KIND_OF, MESSAGE_TYPES, MsgKind
+from asyncllm.step_io import ModelRunnerOutput, SchedulerOutput
 
 _NDARRAY_EXT = 1
 
 
+class StepKind(bytes, enum.Enum):
+    """The kinds of the step data between the engine core and its workers (a wire of
+    their own: never mixed with the client's messages)."""
+
+    SCHEDULER_OUTPUT = b"s"
+    RUNNER_OUTPUT = b"r"
+
+
+STEP_TYPES: dict[StepKind, type] = {
+    StepKind.SCHEDULER_OUTPUT: SchedulerOutput,
+    StepKind.RUNNER_OUTPUT: ModelRunnerOutput,
+}
+
+
 class Encoder:
-    def __init__(self) -> None:
+    """Encodes the structs of `asyncllm.messages` (or of `kinds`: type -> kind)."""
+
+    def __init__(self, kinds: Mapping[type, bytes] = KIND_OF) -> None:
+        self._kinds = kinds
         self._buffers: list[memoryview] | None = None
         self._enc = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
 
@@ -39,28 +61,33 @@ class Encoder:
             return obj.value
         raise TypeError(f"cannot send {type(obj).__name__} over the wire")
 
-    def encode(self, msg: msgspec.Struct) -> list[bytes | memoryview]:
-        kind = KIND_OF.get(type(msg))
+    def encode(self, msg: Any) -> list[bytes | memoryview]:
+        kind = self._kinds.get(type(msg))
         if kind is None:
-            raise TypeError(
-                f"only asyncllm.messages structs go over the wire, not {type(msg).__name__}"
-            )
+            what = "asyncllm.messages structs" if self._kinds is KIND_OF else "step data"
+            raise TypeError(f"only {what} go over the wire, not {type(msg).__name__}")
         self._buffers = []
         try:
             body = self._enc.encode(msg)
-            return [kind.value, body, *self._buffers]
+            return [bytes(kind), body, *self._buffers]
         finally:
             self._buffers = None
 
 
 class Decoder:
-    """Decodes the message kinds one side expects (`messages.TO_CORE` or `FROM_CORE`)."""
+    """Decodes the message kinds one side expects (`messages.TO_CORE` or `FROM_CORE`;
+    `types`: kind -> type, for another wire)."""
 
-    def __init__(self, kinds: Iterable[MsgKind]) -> None:
+    def __init__(
+        self,
+        kinds: Iterable[Any],
+        types: Mapping[Any, type] = MESSAGE_TYPES,
+        kind_enum: Any = MsgKind,
+    ) -> None:
         self._frames: list[Any] = []
-        self._decoders = {
-            kind: msgspec.msgpack.Decoder(MESSAGE_TYPES[kind], ext_hook=self._ext_hook)
-            for kind in kinds
+        self._kind_enum = kind_enum
+        self._decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {
+            kind: msgspec.msgpack.Decoder(types[kind], ext_hook=self._ext_hook) for kind in kinds
         }
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:
@@ -78,7 +105,7 @@ class Decoder:
         if len(frames) < 2:
             raise MalformedMessage("a message has at least two frames")
         try:
-            kind = MsgKind(bytes(frames[0]))
+            kind = self._kind_enum(bytes(frames[0]))
         except ValueError:
             raise MalformedMessage(f"unknown message kind {bytes(frames[0])[:8]!r}") from None
         decoder = self._decoders.get(kind)
@@ -92,6 +119,17 @@ class Decoder:
             raise MalformedMessage(reason, kind, recover_id(kind, frames[1])) from None
         finally:
             self._frames = []
+
+
+def StepEncoder() -> Encoder:  # noqa: N802 (a kind of Encoder)
+    """An encoder of the step data (`STEP_TYPES`) between the engine core and a worker:
+    numpy arrays as raw frames, never pickle; anything else is a TypeError."""
+    return Encoder({t: k for k, t in STEP_TYPES.items()})
+
+
+def StepDecoder() -> Decoder:  # noqa: N802 (a kind of Decoder)
+    """The decoder of `StepEncoder`'s frames."""
+    return Decoder(STEP_TYPES, STEP_TYPES, StepKind)
 
 
 class MalformedMessage(ValueError):

@@ -24,18 +24,11 @@ from typing import Any
 
 import msgspec
 
-# transformers comes with AsyncLLM (an application imports it before its loop runs):
-# imported by `start()`'s worker thread instead, its imports (torch.distributed, sympy,
-# tokenizers' extension; a config class pulls in most of them) hold the GIL, and the
-# loop, for up to hundreds of ms at a time.
-import transformers.activations  # noqa: F401
-from transformers import AutoConfig, AutoTokenizer  # noqa: F401
-
 from asyncllm.aio import AsyncioLoop, TrioLoop, running_loop
-from asyncllm.config import EngineArgs, EngineConfig
-from asyncllm.engine.core_client import AsyncMPClient, TrioMPClient
+from asyncllm.config import EngineArgs
 from asyncllm.engine.heap import freeze_startup_objects, unfreeze_objects
-from asyncllm.engine.llm_engine import finish_host_side, start_host_side, startup_error
+from asyncllm.engine.host_client import AsyncMPClient, TrioMPClient
+from asyncllm.engine.llm_engine import startup_error
 from asyncllm.engine.tokenizer_process import ProcessTokenizer
 from asyncllm.entrypoints.setup_batch import SetupThread
 from asyncllm.errors import EngineDeadError, EngineStartupError
@@ -45,7 +38,7 @@ from asyncllm.frontend.collector import RequestOutputCollector
 from asyncllm.frontend.frontend import Frontend
 from asyncllm.frontend.input_processor import PromptType
 from asyncllm.frontend.tool_calls import parse_tool_calls
-from asyncllm.messages import EngineCoreOutputs, SchedulerStats
+from asyncllm.messages import EngineCoreOutputs, ResolvedConfig, SchedulerStats
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -56,7 +49,7 @@ class AsyncLLM:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         self.args = EngineArgs(model=model, **engine_args)
-        self.config: EngineConfig | None = None
+        self.config: ResolvedConfig | None = None  # as the engine core resolved it
         self.client: AsyncMPClient | None = None
         self.frontend: Frontend | None = None
         self._collectors: dict[str, RequestOutputCollector] = {}
@@ -96,18 +89,23 @@ class AsyncLLM:
         client: AsyncMPClient | None = None
         tokenizer: ProcessTokenizer | None = None
         try:
-            # The tokenizer loads in its own process while the core starts (building it
-            # here would hold the GIL, and so the loop, 100-200 ms).
-            self.config, tokenizer = await aio.to_thread(start_host_side, self.args)
+            # The core resolves the model (the host imports no torch or transformers);
+            # the tokenizer then loads in its own process while the core loads the model
+            # (building it here would hold the GIL, and so the loop, 100-200 ms).
             try:
                 cls = AsyncMPClient if nursery is None else TrioMPClient
-                client = cls(self.config, self.args)
-                await client.start()
+                client = cls(self.args)
+                config = await client.start()
+                if config.tokenizer is not None:
+                    tokenizer = await aio.to_thread(ProcessTokenizer, config.tokenizer)
+                await client.wait_ready()
+                ready = None if tokenizer is None else await aio.to_thread(tokenizer.wait_ready)
             except EngineStartupError:
                 raise  # (the client's own: already says why)
             except Exception as e:
                 raise startup_error(e) from e
-            self.frontend = await aio.to_thread(finish_host_side, self.config, tokenizer)
+            self.config = config
+            self.frontend = Frontend(config, ready)
         except BaseException:
             with aio.shielded():
                 try:
@@ -121,7 +119,9 @@ class AsyncLLM:
             raise
         self._tokenizer_process = tokenizer
         self.client = client
-        client.run_output_handler(self._on_outputs, self._on_dead, nursery)
+        client.run_output_handler(
+            self._on_outputs, self._on_dead, nursery, idle=lambda: not self._collectors
+        )
         frontend = self.frontend
         assert frontend is not None
         self._setup = SetupThread(aio, lambda prompts: frontend.tokenize_prompts(prompts))

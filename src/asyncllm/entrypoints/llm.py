@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncllm.config import EngineArgs
-from asyncllm.engine.core_client import InprocClient, SyncMPClient
+from asyncllm.engine.host_client import EngineCoreClient, SyncMPClient
 from asyncllm.engine.llm_engine import LLMEngine
 from asyncllm.errors import EngineOverloadedError, RequestFailedError
 from asyncllm.frontend.chat import Messages, as_conversations
@@ -60,7 +60,11 @@ class LLM:
         unknown = set(engine_args) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        client = SyncMPClient if multiprocess else InprocClient
+        client: type[EngineCoreClient] = SyncMPClient
+        if not multiprocess:  # the named in-process path: torch and the model load here
+            from asyncllm.engine.core_inproc import InprocClient
+
+            client = InprocClient
         args = EngineArgs(model=model, **engine_args)
         _warn_in_running_loop("LLM()")
         self.engine = LLMEngine.from_engine_args(args, client)

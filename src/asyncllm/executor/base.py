@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from typing import Protocol
 
 from asyncllm.config import EngineConfig
-from asyncllm.step_io import ModelRunnerOutput, SchedulerOutput
+from asyncllm.step_io import GrammarMemory, ModelRunnerOutput, SchedulerOutput
 
 
 class StepFuture(Protocol):
@@ -53,6 +53,23 @@ class Executor(ABC):
         executor can (the engine schedules the next step meanwhile); by default it runs
         the step to the end."""
         return DoneStep(self.execute_model(scheduler_output))
+
+    # -- structured outputs: the worker's side of what a SchedulerOutput names by index --
+
+    def attach_grammar_memory(self, memory: GrammarMemory) -> None:  # noqa: B027
+        """Hands the worker(s) the structured manager's shared memory, once at start-up:
+        steps name their bitmask buffer and handshake by index (`grammar_buffer`,
+        `grammar_seq`). The default runs no model and needs none."""
+
+    def wait_bitmask_copied(self, buffer: int) -> None:  # noqa: B027
+        """Waits until the copy that read bitmask buffer `buffer` for the last step that
+        used it has run (the structured manager writes it again next). The default
+        copies nothing asynchronously."""
+
+    def grammar_tokens_given(self, seq: int) -> bool:
+        """Whether the worker has queued the device's hand-over of the tokens ahead for
+        device step `seq` (then the host must not write them or their flag)."""
+        return False
 
     def startup_seconds(self) -> dict[str, float]:
         """The worker's start-up stages (stage -> seconds), where it measured them."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from asyncllm.config import EngineConfig
 from asyncllm.executor.base import Executor, StepFuture
-from asyncllm.step_io import ModelRunnerOutput, SchedulerOutput
+from asyncllm.step_io import GrammarMemory, ModelRunnerOutput, SchedulerOutput
 from asyncllm.worker.worker import Worker
 
 
@@ -27,6 +27,15 @@ class UniProcExecutor(Executor):
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
         return self.worker.execute_model_async(scheduler_output)
+
+    def attach_grammar_memory(self, memory: GrammarMemory) -> None:
+        self.worker.runner.grammar_memory = memory
+
+    def wait_bitmask_copied(self, buffer: int) -> None:
+        self.worker.runner.wait_bitmask_copied(buffer)
+
+    def grammar_tokens_given(self, seq: int) -> bool:
+        return self.worker.runner.tokens_given_seq == seq
 
     def startup_seconds(self) -> dict[str, float]:
         return dict(self.worker.report.seconds)

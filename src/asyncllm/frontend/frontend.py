@@ -14,7 +14,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncllm.config import EngineConfig
 from asyncllm.errors import EngineOverloadedError, RequestFailedError
 from asyncllm.frontend.chat import Messages, render_chat
 from asyncllm.frontend.input_processor import InputProcessor, PromptType
@@ -25,18 +24,21 @@ from asyncllm.messages import (
     EngineCoreRequest,
     ErrorKind,
     RequestError,
+    ResolvedConfig,
     SchedulerStats,
 )
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
 
-def load_tokenizer(config: EngineConfig) -> Any | None:
-    if config.skip_tokenizer_init:
+def load_tokenizer(config: ResolvedConfig) -> Any | None:
+    """The transformers tokenizer in this process (LLM's; AsyncLLM's lives in a process
+    of its own)."""
+    if config.tokenizer is None:
         return None
     from transformers import AutoTokenizer  # imported when needed: it takes seconds
 
-    return AutoTokenizer.from_pretrained(config.model.tokenizer)
+    return AutoTokenizer.from_pretrained(config.tokenizer)
 
 
 def request_exception(request_id: str, error: RequestError) -> Exception:
@@ -56,7 +58,7 @@ class FrontendOutputs:
 
 
 class Frontend:
-    def __init__(self, config: EngineConfig, tokenizer: Any | None) -> None:
+    def __init__(self, config: ResolvedConfig, tokenizer: Any | None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(config, tokenizer)
@@ -66,7 +68,7 @@ class Frontend:
         self._ids = itertools.count()
 
     @classmethod
-    def create(cls, config: EngineConfig) -> Frontend:
+    def create(cls, config: ResolvedConfig) -> Frontend:
         """Loads the tokenizer (seconds: call it off an event loop)."""
         return cls(config, load_tokenizer(config))
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from asyncllm.config import EngineConfig
-from asyncllm.messages import EngineCoreRequest
+from asyncllm.messages import EngineCoreRequest, ResolvedConfig
+from asyncllm.request_checks import check_params_for_model, check_prompt_token_ids
 from asyncllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
-from asyncllm.structured.grammar import check as check_structured
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -23,12 +22,12 @@ def vocab_max_token_bytes(vocab: dict[str, int]) -> int:
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer: Any | None) -> None:
+    def __init__(self, config: ResolvedConfig, tokenizer: Any | None) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.max_model_len = config.model.max_model_len
-        self.vocab_size = int(config.model.hf_config.vocab_size)
-        gen_eos = getattr(config.model.hf_config, "eos_token_id", None)
+        self.max_model_len = config.max_model_len
+        self.vocab_size = config.vocab_size
+        gen_eos = config.eos_token_id
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             gen_eos = tokenizer.eos_token_id
         if isinstance(gen_eos, list):
@@ -139,23 +138,7 @@ class InputProcessor:
         )
 
     def _check_ids(self, ids: Any) -> list[int]:
-        if not isinstance(ids, list | tuple):
-            raise TypeError(f"prompt_token_ids must be a list of int, got {type(ids).__name__}")
-        ids = list(ids)
-        if not ids:
-            raise ValueError("prompt must not be empty (no prompt_token_ids)")
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool):
-                raise TypeError(f"prompt_token_ids must hold ints, found {type(t).__name__}")
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(
-                    f"prompt_token_ids has token id {t}, outside [0, {self.vocab_size})"
-                )
-        if len(ids) > self.max_model_len:  # (exactly max_model_len: one token, as in vLLM)
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}"
-            )
-        return ids
+        return check_prompt_token_ids(ids, self.vocab_size, self.max_model_len)
 
     def check_params(self, params: Any) -> SamplingParams:
         if params is None:
@@ -164,27 +147,12 @@ class InputProcessor:
             raise TypeError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
             )
-        params.verify()  # again: the object may have been changed since it was made
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(params, name)
-            if v is not None and v > self.config.max_logprobs:
-                raise ValueError(
-                    f"{name} is {v}; at most max_logprobs={self.config.max_logprobs} are allowed"
-                )
-        for t in params.stop_token_ids or []:
-            if t >= self.vocab_size:
-                raise ValueError(f"stop_token_ids has token id {t}, outside [0, {self.vocab_size})")
-        for t in params.logit_bias or {}:
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"logit_bias has token id {t}, outside [0, {self.vocab_size})")
+        check_params_for_model(params, self.vocab_size, self.config.max_logprobs)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer (skip_tokenizer_init is set)")
-        if params.structured_outputs is not None:
-            if self.tokenizer is None:
-                raise ValueError(
-                    "structured_outputs need the tokenizer (skip_tokenizer_init is set)"
-                )
-            check_structured(params.structured_outputs)
+        if params.structured_outputs is not None and self.tokenizer is None:
+            # (the core checks whether the constraint can be enforced)
+            raise ValueError("structured_outputs need the tokenizer (skip_tokenizer_init is set)")
         return params
 
     def process(
@@ -204,15 +172,12 @@ class InputProcessor:
             raise ValueError(f"priority must fit in int64 ([-2**63, 2**63 - 1]), got {what}")
         if prompt_ids is None:
             _, prompt_ids = self.tokenize_prompt(prompt)
-        # A prompt of max_model_len tokens still gets the token its prefill samples.
-        room = max(1, self.max_model_len - len(prompt_ids))
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             sampling_params=params,
             eos_token_id=self.eos_token_id,
-            max_tokens=max_tokens,
+            max_tokens=params.max_tokens,
             arrival_time=time.monotonic(),
             priority=priority,
         )

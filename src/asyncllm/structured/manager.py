@@ -19,6 +19,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any
 
@@ -26,7 +27,7 @@ import torch
 
 from asyncllm.envs import grammar_threads
 from asyncllm.sampling_params import StructuredOutputsParams
-from asyncllm.step_io import MASK_FLAG, TOKENS_FLAG, flag_reached
+from asyncllm.step_io import MASK_FLAG, TOKENS_FLAG, GrammarSync, flag_reached
 from asyncllm.structured import grammar_process
 from asyncllm.structured.grammar import GrammarKey, build_grammar, grammar_key, xgrammar_module
 from asyncllm.structured.grammar_process import (
@@ -221,6 +222,28 @@ class _Shared:
         self.file.close()
 
 
+class GrammarBuffers:
+    """A model runner's handle on the structured manager's shared memory (step_io's
+    `GrammarMemory`), handed to it at start-up: it looks up what a SchedulerOutput names
+    by index (`grammar_buffer`, `grammar_seq`), so only plain data goes with each step.
+    The views are made once per (buffer, rows): no copy, and no torch op per step. The
+    memory is mapped at the first use (the manager's first bitmask or matcher)."""
+
+    def __init__(self, manager: StructuredOutputManager) -> None:
+        self._manager = manager
+        self._views: dict[tuple[int, int], torch.Tensor] = {}
+
+    def bitmask(self, index: int, rows: int) -> torch.Tensor:
+        view = self._views.get((index, rows))
+        if view is None:
+            view = self._views[index, rows] = self._manager._get_shared().buffers[index][:rows]
+        return view
+
+    def sync(self, seq: int, ahead_req_ids: list[str]) -> GrammarSync:
+        tokens, flags = self._manager.device_buffers()
+        return GrammarSync(seq, ahead_req_ids, tokens, flags)
+
+
 class StructuredOutputManager:
     def __init__(
         self,
@@ -241,10 +264,8 @@ class StructuredOutputManager:
         self._tokenizer_info: Any = None
         self._cache: OrderedDict[GrammarKey, Future[Any]] = OrderedDict()
         self._stop_token_ids: frozenset[int] = frozenset()
-        # The bitmask buffers (made at the first allocate_bitmask or matcher), taken in
-        # turn, and the step that used each last.
+        # The bitmask buffers (made at the first take_bitmask or matcher), taken in turn.
         self._shared: _Shared | None = None
-        self._users: list[Any] = [None, None]
         self._next_bitmask = 0
         # The grammar process (made with the first matcher), what it has been sent
         self._process: GrammarProcess | None = None
@@ -260,6 +281,9 @@ class StructuredOutputManager:
         self._seq = 1  # the last device step's number (the flags start at 1)
         self._watchdog: threading.Thread | None = None  # (started by the first device job)
         self._stop_watching = threading.Event()
+        # Waits until the copy that read bitmask buffer k for its last step has run (the
+        # engine core sets it to its executor's; None: nothing copies asynchronously).
+        self.wait_bitmask_copied: Callable[[int], None] | None = None
 
     def _get_compiler(self) -> Any:
         with self._lock:  # (built once, by the first compilation)
@@ -532,23 +556,29 @@ class StructuredOutputManager:
         (ASYNCLLM_GRAMMAR_THREADS) where there are enough rows."""
         self.start_fill(bitmask, rows, []).wait()
 
-    def allocate_bitmask(self, rows: int, user: Any = None) -> torch.Tensor:
-        """A bitmask of `rows` rows for the step `user`, its contents undefined until the
-        fill writes every row: a view of one of two buffers the grammar process shares
-        (pinned if `pin_memory`), taken in turn. A buffer is written again only once the
-        copy that read it for its last step has run: that step's
-        `grammar_bitmask_copied` (a CUDA event the model runner records after its copy to
-        the device; absent, the runner copied it synchronously or not at all)."""
+    def take_bitmask(self, rows: int) -> tuple[int, torch.Tensor]:
+        """A bitmask of `rows` rows for a step, its contents undefined until the fill
+        writes every row: (its buffer's index, a view of it), one of two buffers the
+        grammar process shares (pinned if `pin_memory`), taken in turn. A buffer is
+        written again only once the copy that read it for its last step has run:
+        `wait_bitmask_copied(index)` (the executor's, set by the engine core: the model
+        runner records an event after its copy to the device) waits for it."""
         if rows > self.max_rows:
             raise ValueError(f"rows={rows} is more than the bitmask's max_rows={self.max_rows}")
         buffers = self._get_shared().buffers
         k = self._next_bitmask
         self._next_bitmask ^= 1
-        copied = getattr(self._users[k], "grammar_bitmask_copied", None)
-        if copied is not None and not copied.query():  # (at depth 2 it has long run)
-            copied.synchronize()
-        self._users[k] = user
-        return buffers[k][:rows]
+        if self.wait_bitmask_copied is not None:
+            self.wait_bitmask_copied(k)  # (at depth 2 it has long run)
+        return k, buffers[k][:rows]
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        """`take_bitmask`'s view alone."""
+        return self.take_bitmask(rows)[1]
+
+    def memory(self) -> GrammarBuffers:
+        """The worker side's handle on the shared memory (see `GrammarBuffers`)."""
+        return GrammarBuffers(self)
 
     def shutdown(self) -> None:
         self._stop_watching.set()
@@ -567,3 +597,4 @@ class StructuredOutputManager:
         if self._shared is not None:
             self._shared.close()
             self._shared = None
+        self.wait_bitmask_copied = None

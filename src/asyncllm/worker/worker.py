@@ -22,7 +22,9 @@ import torch
 
 from asyncllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from asyncllm.step_io import ModelRunnerOutput, SchedulerOutput
-from asyncllm.worker.model_runner import ModelRunner, StepResult
+from asyncllm.worker.model_runner import ModelRunner
+from asyncllm.worker.runner_startup import RunnerStartup
+from asyncllm.worker.step_result import StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class Worker:
             torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         )
         self.runner = ModelRunner(config)
+        self.startup = RunnerStartup(self.runner)
         self.report = StartupReport()
 
     def load_model(self) -> None:
@@ -104,13 +107,13 @@ class Worker:
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
-        self.runner.profile_run()
+        self.startup.profile_run()
         torch.cuda.synchronize(dev)
         after = torch.cuda.memory_allocated(dev)  # + penalty state and graph logits, kept
         r.activation_peak_bytes = torch.cuda.max_memory_allocated(dev) - after
         if self.runner.capture_sizes:
             torch.cuda.reset_peak_memory_stats(dev)
-            self.runner.profile_decode_graph()
+            self.startup.profile_decode_graph()
             torch.cuda.synchronize(dev)
             r.graph_estimate_bytes = torch.cuda.max_memory_allocated(dev) - after
             r.graph_estimate_bytes += GRAPH_EXEC_BYTES * len(self.runner.capture_sizes)
@@ -139,7 +142,7 @@ class Worker:
         t0 = time.monotonic()
         self.runner.initialize_kv_cache(num_blocks)
         self.report.seconds["allocate KV cache"] = time.monotonic() - t0
-        graphs = self.runner.capture_cuda_graphs()
+        graphs = self.startup.capture_cuda_graphs()
         r = self.report
         if graphs is not None:
             r.seconds["capture CUDA graphs"] = graphs.capture_seconds
@@ -152,7 +155,7 @@ class Worker:
                     "sizes (cudagraph_capture_sizes) or set enforce_eager=True"
                 )
         t0 = time.monotonic()
-        if self.runner.warm_up_mixed_steps():
+        if self.startup.warm_up_attention():
             r.seconds["warm up mixed steps"] = time.monotonic() - t0
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB), %.1f requests of max_model_len=%d "

@@ -176,7 +176,7 @@ class OpenAIServer:
         return Response(status_code=200)
 
     async def models(self, request: Request) -> Response:
-        max_len = self.llm.config.model.max_model_len if self.llm.config else None
+        max_len = self.llm.config.max_model_len if self.llm.config else None
         card = {
             "id": self.model_name,
             "object": "model",

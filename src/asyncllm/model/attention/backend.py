@@ -9,6 +9,7 @@ backend's builder turns that into whatever its kernels want, shared by all layer
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,7 +118,25 @@ class AttentionLayerSpec:
     logits_soft_cap: float | None = None
 
 
+@dataclass
+class AttentionWarmUp:
+    """What a backend's start-up warm-up (`AttentionBackend.warm_up`) knows of the model
+    and may run: inert batches of the model runner, which write nothing to the KV cache."""
+
+    device: torch.device
+    dtype: torch.dtype
+    num_kv_heads: int
+    head_size: int
+    group: int  # query heads per KV head
+    max_mixed_seqs: int  # the most sequences a step mixing decodes with a chunk holds
+    # One eager forward of `n - 1` one-token decodes and a two-token prefill chunk.
+    run_mixed_batch: Callable[[int], None]
+
+
 class AttentionBackend(ABC):
+    """One attention implementation. What it supports (devices, dtypes, features, CUDA
+    graphs) is declared by its entry in `registry.py`, which names this class."""
+
     name: str = "abstract"
 
     @staticmethod
@@ -126,6 +145,11 @@ class AttentionBackend(ABC):
     ) -> tuple[int, ...]:
         """(2, num_blocks, block_size, num_kv_heads, head_size): K then V."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    def warm_up(self, ctx: AttentionWarmUp) -> int:
+        """Runs, at start-up after the KV cache exists, whatever this backend would
+        otherwise compile in the middle of serving; returns the batches run. None here."""
+        return 0
 
     @abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata, block_size: int) -> Any:

@@ -1,12 +1,17 @@
-"""EngineArgs -> EngineConfig: the step that reaches into the model and sampler layers
-(resolving the model folder, reading its Hugging Face config, importing logits
-processors), kept out of the leaf `config` module."""
+"""EngineArgs -> EngineConfig, on the engine core's side: the step that reaches into the
+model and sampler layers (resolving the model folder, converting a GGUF once, reading its
+Hugging Face config, picking the device and dtype, importing logits processors), kept out
+of the leaf `config` module. The host gets the result as a `ResolvedConfig`."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import os
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from asyncllm.config import (
@@ -22,6 +27,9 @@ from asyncllm.config import (
     SchedulingPolicy,
     default_capture_sizes,
 )
+from asyncllm.envs import cache_root
+from asyncllm.messages import ResolvedConfig
+from asyncllm.model.attention.registry import AttentionNeeds, find_attention_backend
 from asyncllm.model.source import resolve_model_path
 from asyncllm.sample.logits_processor import load_logits_processor_class
 
@@ -68,22 +76,62 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def read_hf_config(path: Path) -> HFConfig:
-    """The model folder's config.json as transformers reads it."""
+    """The model folder's config.json as transformers reads it (every field, its defaults
+    filled in: `PretrainedConfig.to_dict()`). transformers' reading is kept in the cache
+    (`configs/`), keyed by the file's bytes and transformers' version, so that later
+    starts read it back without importing transformers (about 2 s of the core's start
+    on the 2-core machine)."""
+    cached = _normalised_config_path(path)
+    if cached is not None and cached.is_file():
+        try:
+            return HFConfig(msgspec.msgpack.decode(cached.read_bytes()))
+        except (OSError, msgspec.DecodeError):
+            pass  # (unreadable: read it again below, and rewrite it)
     from transformers import AutoConfig  # imported when needed: it takes seconds
 
     try:
-        return HFConfig(AutoConfig.from_pretrained(str(path)).to_dict())
+        fields = AutoConfig.from_pretrained(str(path)).to_dict()
     except (OSError, ValueError) as e:
         raise ValueError(f"model folder {str(path)!r} has no usable config.json: {e}") from e
+    if cached is not None:
+        _keep(cached, fields)
+    return HFConfig(fields)
 
 
-def create_model_config(args: EngineArgs, hf_fields: dict[str, Any] | None = None) -> ModelConfig:
-    """Resolves the model to a local folder (converting a GGUF once) and reads its config
-    (or takes its fields as the host read them: `hf_fields`)."""
+def _normalised_config_path(path: Path) -> Path | None:
+    """Where transformers' reading of `path`'s config.json is kept; None when the file
+    cannot be read (transformers then says why)."""
+    try:
+        raw = (path / "config.json").read_bytes()
+        version = importlib.metadata.version("transformers")
+    except (OSError, importlib.metadata.PackageNotFoundError):
+        return None
+    key = hashlib.sha256(version.encode() + b"\0" + raw).hexdigest()[:32]
+    return cache_root() / "configs" / f"{key}.msgpack"
+
+
+def _keep(target: Path, fields: dict[str, Any]) -> None:
+    """Writes the fields atomically if msgpack holds them exactly (else nothing is
+    kept)."""
+    try:
+        data = msgspec.msgpack.encode(fields)
+        if msgspec.msgpack.decode(data) != fields:
+            return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+    except (OSError, TypeError, ValueError, msgspec.EncodeError):
+        pass  # (a cache: the next start reads config.json again)
+
+
+def create_model_config(args: EngineArgs) -> ModelConfig:
+    """Resolves the model to a local folder (converting a GGUF once) and reads its
+    config."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     path = resolve_model_path(args.model, revision=args.revision)
-    hf_config = read_hf_config(path) if hf_fields is None else HFConfig(hf_fields)
+    hf_config = read_hf_config(path)
     limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
     max_len = args.max_model_len or limit or 2048
     if limit and max_len > limit:
@@ -103,15 +151,14 @@ def create_model_config(args: EngineArgs, hf_fields: dict[str, Any] | None = Non
     )
 
 
-def create_engine_config(args: EngineArgs, hf_fields: dict[str, Any] | None = None) -> EngineConfig:
+def create_engine_config(args: EngineArgs) -> EngineConfig:
     """Everything the engine needs, checked: the model resolved, the logits processors
-    importable, the scheduler and cache settings filled in. `hf_fields`: the model's
-    config as the host read it (the engine core's process gets it so)."""
+    importable, the scheduler and cache settings filled in."""
     for path in args.logits_processors or []:
         load_logits_processor_class(path)  # fail here, with the path named
-    model = create_model_config(args, hf_fields)
-    if args.attention_backend == "triton" and model.device.type != "cuda":
-        raise ValueError(f"attention_backend 'triton' needs a CUDA device, got {model.device}")
+    model = create_model_config(args)
+    needs = AttentionNeeds.of_model(model.hf_config, model.device, model.dtype, args.block_size)
+    find_attention_backend(args.attention_backend, needs)  # unknown, or cannot serve the model
     seqs_default, batched_default = (
         CUDA_BATCH_DEFAULTS if model.device.type == "cuda" else CPU_BATCH_DEFAULTS
     )
@@ -179,3 +226,31 @@ def _capture_sizes(args: EngineArgs, device: torch.device, max_num_seqs: int) ->
             f"max_num_seqs ({max_num_seqs})"
         )
     return list(args.cudagraph_capture_sizes)
+
+
+def resolved_config(config: EngineConfig) -> ResolvedConfig:
+    """What the host side needs of a resolved configuration (sent to it as plain data)."""
+    model, hf = config.model, config.model.hf_config
+    eos = getattr(hf, "eos_token_id", None)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return ResolvedConfig(
+        model=model.model,
+        model_path=str(model.path),
+        tokenizer=None if config.skip_tokenizer_init else model.tokenizer,
+        architecture=model.architecture,
+        load_format=model.load_format,
+        max_model_len=model.max_model_len,
+        vocab_size=int(hf.vocab_size),
+        eos_token_id=eos,
+        max_logprobs=config.max_logprobs,
+        dtype=str(model.dtype).removeprefix("torch."),
+        device=str(model.device),
+        async_scheduling=config.scheduler.async_scheduling,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        block_size=config.cache.block_size,
+        attention_backend=config.attention_backend,
+        enforce_eager=config.enforce_eager,
+        hf_config=hf.to_dict(),
+    )

@@ -1,9 +1,16 @@
-"""How a frontend talks to an engine core. One interface; the in-process client here,
-process-separated clients beside it."""
+"""How the host talks to an engine core: one interface (EngineCoreClient), and the
+clients of a core in its own process (SyncMPClient for LLM, AsyncMPClient and
+TrioMPClient for AsyncLLM). The host side: no torch, nothing of the core side
+(`engine.core_inproc` holds the in-process client, imported only when asked for).
+
+Start-up, for every client: the core resolves the engine arguments and sends a
+ResolvedConfig first (the host starts its tokenizer then), then EngineReady once the
+model is loaded (`wait_ready`)."""
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import itertools
 import time
 from abc import ABC, abstractmethod
@@ -15,8 +22,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from asyncllm.config import EngineArgs, EngineConfig
-from asyncllm.engine.core import EngineCore
+from asyncllm.config import EngineArgs
+from asyncllm.engine.heap import trim_heap
 from asyncllm.engine.host_launcher import CoreProcess, startup_message
 from asyncllm.engine.serial import Decoder, Encoder
 from asyncllm.errors import EngineDeadError, EngineStartupError
@@ -28,6 +35,7 @@ from asyncllm.messages import (
     EngineDead,
     EngineReady,
     MsgKind,
+    ResolvedConfig,
     SchedulerStats,
     UtilityCall,
     UtilityResult,
@@ -37,10 +45,17 @@ POLL_S = 0.25  # how often a waiting client checks that the core process lives
 
 
 class EngineCoreClient(ABC):
-    """How LLMEngine drives an engine core: in this process or in its own."""
+    """How LLMEngine drives an engine core: in this process or in its own. Made from
+    the engine arguments; `config` is set once the core has resolved them (when the
+    constructor returns), `wait_ready()` returns once the core serves."""
+
+    config: ResolvedConfig
 
     @abstractmethod
-    def __init__(self, config: EngineConfig, args: EngineArgs) -> None: ...
+    def __init__(self, args: EngineArgs) -> None: ...
+
+    def wait_ready(self) -> None:  # noqa: B027 (a core in this process is ready at once)
+        """Blocks until the core has loaded its model and serves."""
 
     @abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
@@ -66,37 +81,9 @@ class EngineCoreClient(ABC):
     def shutdown(self) -> None: ...
 
 
-class InprocClient(EngineCoreClient):
-    """The engine core in this process: `get_output` runs one step."""
-
-    def __init__(self, config: EngineConfig, args: EngineArgs | None = None) -> None:
-        self.core = EngineCore(config)  # `args` is for the process clients: all is in config
-
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self.core.add_request(request)
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids:
-            self.core.abort_requests(request_ids)
-
-    def get_output(self) -> EngineCoreOutputs:
-        return self.core.step()
-
-    def settle(self) -> None:
-        self.core.apply_steps_in_flight()
-
-    def get_stats(self) -> SchedulerStats:
-        return self.core.get_stats()
-
-    def reset_prefix_cache(self) -> bool:
-        return self.core.reset_prefix_cache()
-
-    def shutdown(self) -> None:
-        self.core.shutdown()
-
-
 class _MPClientBase:
     """What both process clients share: the process, the input socket, the codec.
+    `config` is the core's first answer.
 
     Both bind the output socket with no receive high-water mark: a PULL socket at its
     limit stops reading its unix socket, and when the core exits then (closing its end),
@@ -104,9 +91,10 @@ class _MPClientBase:
     outputs and its EngineDead vanish (seen in about 1 of 50 stops mid-stream). Unlimited,
     everything the core sent is read in before the connection ends."""
 
-    def __init__(self, config: EngineConfig, args: EngineArgs) -> None:
+    config: ResolvedConfig
+
+    def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        self.hf_fields = config.model.hf_config.to_dict()  # (the core reads no config.json)
         self.process = CoreProcess()
         self.zmq_ctx = zmq.Context()
         self.input = self.zmq_ctx.socket(zmq.PUSH)
@@ -117,6 +105,7 @@ class _MPClientBase:
         self.decoder = Decoder(FROM_CORE)
         self.info: EngineReady | None = None
         self.dead_reason: str | None = None
+        self.dead_error_type: str | None = None
         self._call_ids = itertools.count()
 
     def _send(self, msg: EngineCoreRequest | AbortRequests | UtilityCall) -> None:
@@ -140,7 +129,7 @@ class _MPClientBase:
         self._check_process()
         try:
             self.input.send_multipart(
-                self.encoder.encode(startup_message(self.args, self.hf_fields)),
+                self.encoder.encode(startup_message(self.args)),
                 flags=zmq.NOBLOCK,
             )
             return True
@@ -163,7 +152,17 @@ class _MPClientBase:
     def _on_message(self, kind: MsgKind, obj: Any) -> None:
         if isinstance(obj, EngineDead):
             self.dead_reason = obj.reason
+            self.dead_error_type = obj.error_type
             raise EngineDeadError(obj.reason)
+
+    def startup_cause(self, e: Exception) -> BaseException:
+        """The cause a failed start's EngineStartupError chains: the core's exception
+        rebuilt where its class is a builtin (FileNotFoundError for a missing model),
+        else `e` itself."""
+        cls = getattr(builtins, self.dead_error_type or "", None)
+        if isinstance(cls, type) and issubclass(cls, Exception):
+            return cls(str(e))
+        return e
 
     def _close_sockets(self) -> None:
         self.input.close(linger=0)
@@ -172,10 +171,9 @@ class _MPClientBase:
 class SyncMPClient(_MPClientBase, EngineCoreClient):
     """The engine core in its own process, driven by blocking calls (the `LLM` class)."""
 
-    def __init__(
-        self, config: EngineConfig, args: EngineArgs, ready_timeout: float = 600.0
-    ) -> None:
-        super().__init__(config, args)
+    def __init__(self, args: EngineArgs, ready_timeout: float = 600.0) -> None:
+        super().__init__(args)
+        self.ready_timeout = ready_timeout
         self.output = self.zmq_ctx.socket(zmq.PULL)
         self.output.setsockopt(zmq.LINGER, 0)
         self.output.setsockopt(zmq.RCVHWM, 0)  # never stop reading: see _MPClientBase
@@ -183,15 +181,28 @@ class SyncMPClient(_MPClientBase, EngineCoreClient):
         self.pending: deque[EngineCoreOutputs] = deque()
         self.results: dict[int, UtilityResult] = {}
         self.process.start()
+        self._starting(self._send_startup_and_wait_config)
+
+    def _starting(self, step: Callable[[], None]) -> None:
         try:
-            while not self._try_send_config():
-                time.sleep(0.01)
-            self.info = self._wait_for(lambda k, o: k is MsgKind.READY, ready_timeout)
+            step()
         except BaseException as e:  # (a Ctrl-C too: no core process or socket is left)
             self.shutdown()
             if isinstance(e, EngineDeadError | TimeoutError):
-                raise EngineStartupError(str(e)) from e
+                raise EngineStartupError(str(e)) from self.startup_cause(e)
             raise
+
+    def _send_startup_and_wait_config(self) -> None:
+        while not self._try_send_config():
+            time.sleep(0.01)
+        self.config = self._wait_for(lambda k, o: k is MsgKind.CONFIG, self.ready_timeout)
+
+    def wait_ready(self) -> None:
+        if self.info is None:
+            self._starting(self._wait_ready)
+
+    def _wait_ready(self) -> None:
+        self.info = self._wait_for(lambda k, o: k is MsgKind.READY, self.ready_timeout)
 
     def _recv(self, timeout: float) -> tuple[MsgKind, Any] | None:
         if self.output.poll(int(timeout * 1000)):
@@ -253,8 +264,8 @@ class AsyncMPClient(_MPClientBase):
     below is the same client under trio: it overrides only the loop-specific hooks
     (the output socket, sleeping, the clock, futures, the handler task)."""
 
-    def __init__(self, config: EngineConfig, args: EngineArgs) -> None:
-        super().__init__(config, args)
+    def __init__(self, args: EngineArgs) -> None:
+        super().__init__(args)
         self.output = self._output_socket()
         self.output.setsockopt(zmq.LINGER, 0)
         self.output.setsockopt(zmq.RCVHWM, 0)  # never stop reading: see _MPClientBase
@@ -300,26 +311,33 @@ class AsyncMPClient(_MPClientBase):
 
     # -- shared ----------------------------------------------------------------------------
 
-    async def start(self, ready_timeout: float = 600.0) -> None:
+    async def start(self, ready_timeout: float = 600.0) -> ResolvedConfig:
+        """Starts the core process and sends it the engine arguments; returns the
+        configuration it resolved (before its model loads: `wait_ready` waits for that)."""
         self.process.start()
-        deadline = time.monotonic() + ready_timeout
+        self._deadline = time.monotonic() + ready_timeout
         try:
             while not self._try_send_config():
                 await self._sleep(0.01)
         except EngineDeadError as e:
-            raise EngineStartupError(str(e)) from e
+            raise EngineStartupError(str(e)) from self.startup_cause(e)
+        config: ResolvedConfig = await self._wait_startup(MsgKind.CONFIG)
+        self.config = config
+        return config
+
+    async def wait_ready(self) -> None:
+        self.info = await self._wait_startup(MsgKind.READY)
+
+    async def _wait_startup(self, kind: MsgKind) -> Any:
         while True:
             try:
                 msg = await self._recv(POLL_S)
             except EngineDeadError as e:
-                raise EngineStartupError(str(e)) from e
-            if msg is not None and msg[0] is MsgKind.READY:
-                self.info = msg[1]
-                return
-            if time.monotonic() > deadline:
-                raise EngineStartupError(
-                    f"the engine core did not start within {ready_timeout:.0f} s"
-                )
+                raise EngineStartupError(str(e)) from self.startup_cause(e)
+            if msg is not None and msg[0] is kind:
+                return msg[1]
+            if time.monotonic() > self._deadline:
+                raise EngineStartupError("the engine core did not start in time")
 
     async def _recv(self, timeout: float) -> tuple[MsgKind, Any] | None:
         frames = await self._recv_frames(timeout)
@@ -335,16 +353,25 @@ class AsyncMPClient(_MPClientBase):
         on_outputs: Callable[[EngineCoreOutputs], None],
         on_dead: Callable[[str], None],
         nursery: Any = None,
+        idle: Callable[[], bool] = lambda: False,
     ) -> None:
         """Receives the core's messages in a background task (under trio, in `nursery`)
-        until the core dies or `shutdown()`."""
+        until the core dies or `shutdown()`. Once nothing came for POLL_S after some
+        traffic and `idle()` says no request is open, the host's freed C heap goes back
+        to the system (`trim_heap`, in a thread): a burst of requests otherwise leaves
+        the host tens of MB larger for good."""
 
         async def loop() -> None:
+            traffic = False  # messages since the last trim
             try:
                 while True:
                     msg = await self._recv(POLL_S)
                     if msg is None:
+                        if traffic and idle():
+                            traffic = False
+                            await self._to_thread(trim_heap)
                         continue
+                    traffic = True
                     kind, obj = msg
                     if kind is MsgKind.OUTPUTS:
                         on_outputs(obj)
@@ -398,13 +425,13 @@ class TrioMPClient(AsyncMPClient):
     messages queued), each after a checkpoint (else a busy socket starves the streams).
     The handler runs in the caller's nursery, in its own cancel scope."""
 
-    def __init__(self, config: EngineConfig, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs) -> None:
         import trio
 
         self._trio = trio
         self._scope: Any = None  # the handler's cancel scope, and its end
         self._ended: Any = None
-        super().__init__(config, args)
+        super().__init__(args)
 
     def _output_socket(self) -> Any:
         return self.zmq_ctx.socket(zmq.PULL)

@@ -1,0 +1,185 @@
+"""The model runner's start-up work, run by the worker: the memory profile (a step at
+the largest shapes, and an eager decode step at the largest capture size, for the
+caller to read the peaks of), the CUDA-graph capture, and the attention backend's
+warm-up. Every batch run here is inert: nothing is written to the KV cache (every slot
+is -1)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from asyncllm.model.attention.backend import AttentionWarmUp
+from asyncllm.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
+from asyncllm.worker.cuda_graph import DecodeGraphs
+from asyncllm.worker.model_runner import ModelRunner
+from asyncllm.worker.step_sampler import PROMPT_LOGPROB_CHUNK
+
+
+class RunnerStartup:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """Runs a step at the largest shapes, so the caller can read the peak memory:
+        the forward of `max_num_batched_tokens` tokens (sequences of at most
+        `max_model_len`), sampling `max_num_seqs` rows with every transform on, and one
+        prompt-logprob chunk. The KV cache is one scratch block per layer, never written
+        (every slot is -1); the penalty state and the graphs' logits buffer are
+        allocated here for good, so they count as used before the KV cache is sized."""
+        r = self.runner
+        sched = r.config.scheduler
+        T = sched.max_num_batched_tokens
+        lens = [min(r.max_model_len, T - i) for i in range(0, T, r.max_model_len)]
+        lens = lens[: sched.max_num_seqs]
+        T = sum(lens)
+        S = len(lens)
+        buf = r.buffers
+        qsl = buf.query_start_loc.np
+        qsl[0] = 0
+        np.cumsum(lens, out=qsl[1 : S + 1])
+        buf.seq_lens.np[:S] = lens
+        buf.block_table.np[:S] = 0
+        buf.input_ids.np[:T] = 0
+        buf.positions.np[:T] = np.concatenate([np.arange(n) for n in lens])
+        buf.slot_mapping.np[:T] = -1
+        buf.copy_to_device(S)
+        scratch = r.kv_cache_tensors(1)
+        model = r.loaded_model()
+        hidden = model(
+            buf.input_ids.device[:T], buf.positions.device[:T], scratch, r.attention_metadata(T, S)
+        )
+        B = min(sched.max_num_seqs, T)
+        logits = model.compute_logits(hidden[:B]).float()
+        r.sampling.allocate_penalty_state()
+        Sampler()(logits, self._worst_case_metadata(B))  # (user processors: not profiled)
+        del logits
+        chunk = hidden[: min(PROMPT_LOGPROB_CHUNK, T)]
+        lp = model.compute_logits(chunk).float().log_softmax(-1)
+        gather_logprobs(lp, torch.zeros(len(chunk), dtype=torch.int64, device=r.device), 20)
+        del lp, hidden, scratch
+        if r.capture_sizes and r.device.type == "cuda" and r.graph_logits is None:
+            shape = (r.capture_sizes[-1], r.vocab_size)
+            r.graph_logits = torch.empty(shape, dtype=torch.float32, device=r.device)
+
+    def _worst_case_metadata(self, B: int) -> SamplingMetadata:
+        dev, V = self.runner.device, self.runner.vocab_size
+        counts = torch.zeros(B, V, dtype=torch.int32, device=dev)
+        return SamplingMetadata(
+            temperature=torch.full((B,), 0.7, device=dev),
+            is_greedy=torch.zeros(B, dtype=torch.bool, device=dev),
+            all_greedy=False,
+            top_k=torch.full((B,), 50, dtype=torch.int64, device=dev),
+            top_p=torch.full((B,), 0.9, device=dev),
+            min_p=torch.full((B,), 0.05, device=dev),
+            repetition_penalty=torch.full((B,), 1.1, device=dev),
+            seen_mask=counts > 0,
+            presence_penalty=torch.full((B,), 0.1, device=dev),
+            frequency_penalty=torch.full((B,), 0.1, device=dev),
+            output_counts=counts,
+            max_num_logprobs=self.runner.config.max_logprobs,
+        )
+
+    @torch.inference_mode()
+    def profile_decode_graph(self) -> None:
+        """An eager decode step at the largest capture size, for the caller to read the
+        peak of: what the graphs' memory pool will hold."""
+        r = self.runner
+        if r.capture_sizes:
+            size = r.capture_sizes[-1]
+            scratch = r.kv_cache_tensors(1)
+            self._inert_decode_batch(size)
+            model = r.loaded_model()
+            hidden = model(
+                r.buffers.input_ids.device[:size],
+                r.buffers.positions.device[:size],
+                scratch,
+                r.attention_metadata(size, size),
+            )
+            model.compute_logits(hidden).float()
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> DecodeGraphs | None:
+        """Captures the decode graphs (after the KV cache exists: they bake in its
+        addresses). Nothing is written to the cache, and no random stream is used."""
+        r = self.runner
+        if not r.capture_sizes or r.device.type != "cuda":
+            return None
+        if r.graph_logits is None:
+            raise RuntimeError("profile_run() allocates the graphs' logits: run it first")
+        model, out = r.loaded_model(), r.graph_logits
+
+        def forward(size: int) -> None:
+            hidden = model(
+                r.buffers.input_ids.device[:size],
+                r.buffers.positions.device[:size],
+                r.kv_caches,
+                r.attention_metadata(size, size),
+            )
+            out[:size].copy_(model.compute_logits(hidden))
+
+        r.graphs = DecodeGraphs(r.capture_sizes)
+        r.graphs.capture(self._inert_decode_batch, forward)
+        return r.graphs
+
+    # -- the attention backend's warm-up ----------------------------------------------
+
+    @torch.inference_mode()
+    def warm_up_attention(self) -> int:
+        """The attention backend's warm-up (the Triton backend's: one inert mixed batch
+        per decode-launch config a step mixing decodes with a prefill chunk can meet, so
+        its kernels compile at start-up, not in the first such step); returns the number
+        of batches run."""
+        return self.runner.backend.warm_up(self.warm_up_context())
+
+    def warm_up_context(self) -> AttentionWarmUp:
+        """The model's attention shape, and a way to run inert mixed batches."""
+        r = self.runner
+        spec = r.loaded_model().kv_cache_spec()
+        hf = r.config.model.hf_config
+        group = hf.num_attention_heads // getattr(hf, "num_key_value_heads", hf.num_attention_heads)
+        sched = r.config.scheduler
+        return AttentionWarmUp(
+            device=r.device,
+            dtype=r.dtype,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            group=group,
+            max_mixed_seqs=min(sched.max_num_seqs, sched.max_num_batched_tokens - 1),
+            run_mixed_batch=self.run_inert_mixed_batch,
+        )
+
+    @torch.inference_mode()
+    def run_inert_mixed_batch(self, num_seqs: int) -> None:
+        """One eager forward of `num_seqs - 1` one-token decodes and a two-token prefill
+        chunk that writes nothing to the KV cache (every slot is -1)."""
+        r = self.runner
+        lens = np.ones(num_seqs, dtype=np.int64)
+        lens[-1] = 2
+        T = self._inert_batch(lens)
+        r.loaded_model()(
+            r.buffers.input_ids.device[:T],
+            r.buffers.positions.device[:T],
+            r.kv_caches,
+            r.attention_metadata(T, num_seqs),
+        )
+
+    def _inert_decode_batch(self, size: int) -> None:
+        """A decode batch of `size` one-token sequences that writes nothing."""
+        self._inert_batch(np.ones(size, dtype=np.int64))
+
+    def _inert_batch(self, lens: np.ndarray) -> int:
+        """Sequences of `lens` tokens (no context) in the step buffers that write nothing
+        to the KV cache (every slot -1); returns the token count."""
+        buf, S = self.runner.buffers, len(lens)
+        T = int(lens.sum())
+        buf.query_start_loc.np[0] = 0
+        np.cumsum(lens, out=buf.query_start_loc.np[1 : S + 1])
+        buf.seq_lens.np[:S] = lens
+        buf.block_table.np[:S] = 0
+        buf.input_ids.np[:T] = 0
+        buf.positions.np[:T] = 0
+        buf.slot_mapping.np[:T] = -1
+        buf.copy_to_device(S)
+        return T

@@ -1,0 +1,92 @@
+"""One step's batch, gathered from the persistent batch into the step buffers with
+numpy (no tensor is built from a Python list): token ids, positions, slot mapping,
+query start offsets, sequence lengths, block table, and which requests sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from asyncllm.worker.input_batch import CachedRequestState, InputBatch
+from asyncllm.worker.step_buffers import StepBuffers, padded_size
+
+
+@dataclass
+class StepInputs:
+    """One step's batch: S requests in the scheduler's order, T tokens back to back, in
+    the runner's step buffers (padded to `graph_size` tokens and sequences when the step
+    replays a CUDA graph)."""
+
+    states: list[CachedRequestState]  # [S]
+    rows: np.ndarray  # [S] persistent-batch row of each request
+    query_start_loc: np.ndarray  # [S + 1] int32: offset of each request's chunk
+    num_computed: np.ndarray  # [S] int32: tokens in the cache before this step
+    seq_lens: np.ndarray  # [S] int32: tokens in the cache after this step
+    num_tokens: int  # T
+    samples: np.ndarray  # indices (into states) of the requests that sample
+    graph_size: int | None  # the captured batch size this decode step replays, if any
+    num_pending: int = 0  # input tokens still being sampled by the step in flight
+
+    def sampled_req_ids(self) -> list[str]:
+        """The ids of the requests that sample, in batch order."""
+        states = self.states
+        if len(self.samples) == len(states):
+            return [s.req_id for s in states]
+        return [states[i].req_id for i in self.samples]
+
+
+def gather_step_inputs(
+    batch: InputBatch,
+    buf: StepBuffers,
+    scheduled: dict[str, int],
+    block_size: int,
+    capture_sizes: list[int],
+) -> StepInputs:
+    """Writes the host side of the step buffers (`scheduled`: request id -> tokens, in
+    batch order) with vectorised gathers from the persistent arrays; picks the captured
+    size a decode step is padded to. A token past the known ones (being sampled by the
+    step in flight) is listed in `pending_at`/`pending_rows`, for the device to fill."""
+    states = [batch.requests[r] for r in scheduled]
+    S = len(states)
+    rows = np.fromiter((s.row for s in states), dtype=np.int64, count=S)
+    n = np.fromiter(scheduled.values(), dtype=np.int32, count=S)
+    qsl = buf.query_start_loc.np[: S + 1]
+    qsl[0] = 0
+    np.cumsum(n, out=qsl[1:])
+    T = int(qsl[S])
+    computed = batch.num_computed_tokens[rows]
+    seq_lens = buf.seq_lens.np[:S]
+    np.add(computed, n, out=seq_lens)
+    if T == S:  # one token each: a decode step (or one-token chunks)
+        tok_rows, pos = rows, computed.astype(np.int64)
+    else:
+        tok_req = np.repeat(np.arange(S), n)  # each token's request
+        pos = computed[tok_req] + (np.arange(T) - qsl[:-1][tok_req])
+        tok_rows = rows[tok_req]
+    bs = block_size
+    buf.positions.np[:T] = pos
+    buf.input_ids.np[:T] = batch.token_ids[tok_rows, pos]
+    # Tokens past the known ones are being sampled by the step in flight.
+    pending = np.nonzero(pos >= batch.num_tokens[tok_rows])[0]
+    buf.pending_at.np[: len(pending)] = pending
+    buf.pending_rows.np[: len(pending)] = tok_rows[pending]
+    buf.slot_mapping.np[:T] = batch.block_table[tok_rows, pos // bs] * bs + pos % bs
+    np.take(batch.block_table, rows, axis=0, out=buf.block_table.np[:S])
+    samples = np.nonzero(seq_lens >= batch.num_tokens[rows] + batch.num_pending[rows])[0]
+    buf.sample_rows.np[: len(samples)] = rows[samples]
+    buf.logit_rows.np[: len(samples)] = qsl[1:][samples] - 1
+    graph_size = None
+    if T == S and len(samples) == S and capture_sizes:
+        graph_size = padded_size(S, capture_sizes)
+    return StepInputs(
+        states=states,
+        rows=rows,
+        query_start_loc=qsl,
+        num_computed=computed,
+        seq_lens=seq_lens,
+        num_tokens=T,
+        samples=samples,
+        graph_size=graph_size,
+        num_pending=len(pending),
+    )
