@@ -40,22 +40,25 @@ def import_seconds(n: int) -> list[float]:
 
 
 async def storm(llm: AsyncLLM, n: int, in_flight: int, max_tokens: int) -> int:
-    gate = asyncio.Semaphore(in_flight)
+    """`n` requests through `in_flight` client tasks (each sends its next request when
+    its last one ends, as a server's connections do), every other one cancelled after
+    its first output; the tokens received."""
+    params = SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    requests = iter(range(n))
 
-    async def one(i: int) -> int:
-        prompt = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(4 + i % 13))
-        params = SamplingParams(
-            max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA
-        )
+    async def client() -> int:
         got = 0
-        async with gate:
+        for i in requests:
+            prompt = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(4 + i % 13))
             async for out in llm.generate(prompt, params):
                 got += len(out.outputs[0].token_ids)
                 if i % 2:
                     break  # cancelled after its first output
         return got
 
-    return sum(await asyncio.gather(*[one(i) for i in range(n)]))
+    return sum(await asyncio.gather(*[client() for _ in range(in_flight)]))
 
 
 async def idle_rss(llm: AsyncLLM, settle_s: float) -> float:

@@ -169,7 +169,7 @@ def main() -> None:
     wrap(sched, "schedule", "schedule")
     wrap(sched, "update_from_output", "update")
     wrap(sched, "plan_grammar_fill", "plan_grammar_fill")
-    wrap(sched, "give_grammar_tokens", "give_grammar_tokens")
+    wrap(sched.grammar, "give_grammar_tokens", "give_grammar_tokens")
     wrap(struct, "accept", "accept")
     wrap(struct, "start_fill", "start_fill")
     wrap(FillJob, "give_tokens", "give_tokens")

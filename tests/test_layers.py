@@ -304,3 +304,19 @@ def test_the_side_checker_tells_function_level_imports(tmp_path):
         "import asyncllm.config\n\ndef f():\n    from asyncllm.engine import core_inproc\n"
     )
     assert function_level_imports(f, MODULES, "asyncllm.x") == {"asyncllm.engine.core_inproc"}
+
+
+def test_every_module_is_in_the_architecture_tree():
+    """docs/architecture.md's tree names every module (by its file name, or its path
+    below its package), so the map of the code cannot fall behind it."""
+    text = DOC.read_text()
+    start = text.index("```")
+    tree = text[start : text.index("```", start + 3)]
+    missing = []
+    for name, path in MODULES.items():
+        if path.name == "__init__.py":
+            continue
+        below = "/".join(path.parts[-2:])
+        if not re.search(rf"(?<![\w/]){re.escape(path.name)}\b", tree) and below not in tree:
+            missing.append(name)
+    assert missing == [], f"modules missing from {DOC}'s tree: {missing}"

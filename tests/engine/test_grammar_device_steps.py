@@ -223,11 +223,11 @@ def test_device_steps_keep_every_constraint_and_match_the_host_steps():
                 return GrammarSync(seq, ahead_req_ids, tokens, flags)
 
         handshake.events.clear()
-        memory, runner.grammar_memory = runner.grammar_memory, GhostMemory()
+        memory, runner.grammar.memory = runner.grammar.memory, GhostMemory()
         try:
             assert not runner.execute_model_async(ghost).result().sampled_token_ids
         finally:
-            runner.grammar_memory = memory
+            runner.grammar.memory = memory
         assert handshake.events == [("tokens", 7), ("masks", 7)]
         assert tokens[0] == -1 and flags[TOKENS_FLAG] == 7
 

@@ -36,7 +36,7 @@ def test_a_runs_steps_go_through_the_wire_and_run_the_same():
         shadow = ModelRunner(runner.config)
         shadow.model = runner.model  # (the same weights, its own batch and cache)
         shadow.initialize_kv_cache(core.num_blocks)
-        shadow.grammar_memory = runner.grammar_memory
+        shadow.grammar.memory = runner.grammar.memory
         encoder, decoder = StepEncoder(), StepDecoder()
         launch = core.executor.execute_model_async
         seen: list[SchedulerOutput] = []

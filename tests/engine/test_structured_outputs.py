@@ -372,7 +372,7 @@ def test_a_bitmask_buffer_is_written_again_only_after_its_copy_ran():
 
     copied: list = [None, None]  # (the runner's, by buffer)
 
-    def wait_bitmask_copied(k: int) -> None:  # (as ModelRunner.wait_bitmask_copied)
+    def wait_bitmask_copied(k: int) -> None:  # (as GrammarRows.wait_bitmask_copied)
         if copied[k] is not None and not copied[k].query():
             copied[k].synchronize()
 
@@ -907,7 +907,7 @@ def test_a_process_lost_while_a_fill_waits_for_its_tokens_is_reset_once(inproc_e
 
     core = inproc_engine.engine.client.core
     manager, scheduler = core.structured, core.scheduler
-    give, finish, reset = FillJob.give_tokens, scheduler.finish_fill, manager.reset
+    give, finish, reset = FillJob.give_tokens, scheduler.grammar.finish_fill, manager.reset
     state: dict = {"gives": 0, "stopped": None, "killed": False, "resets": 0}
 
     def give_then_stop(job, tokens):
@@ -932,7 +932,7 @@ def test_a_process_lost_while_a_fill_waits_for_its_tokens_is_reset_once(inproc_e
         reset()
 
     FillJob.give_tokens = give_then_stop
-    scheduler.finish_fill = kill_then_finish
+    scheduler.grammar.finish_fill = kill_then_finish
     manager.reset = counted_reset
     outs: dict = {}
     try:
@@ -946,7 +946,7 @@ def test_a_process_lost_while_a_fill_waits_for_its_tokens_is_reset_once(inproc_e
         inproc_engine.engine.add_request("next", "Give digits", _digits(8, 16))
         _run_until_done(core, outs)
     finally:
-        FillJob.give_tokens, scheduler.finish_fill = give, finish
+        FillJob.give_tokens, scheduler.grammar.finish_fill = give, finish
         del manager.reset
     assert outs["first"][-1].error is not None, outs["first"][-1]
     assert outs["next"][-1].error is None, outs["next"][-1]
@@ -970,7 +970,7 @@ def test_an_interrupt_while_a_fill_waits_for_its_tokens_leaves_the_grammar_proce
     with LLM(device="cpu", max_model_len=256, multiprocess=False) as llm:
         core = llm.engine.client.core
         manager, scheduler = core.structured, core.scheduler
-        finish, calls = scheduler.finish_fill, []
+        finish, calls = scheduler.grammar.finish_fill, []
 
         def interrupted(job):
             if manager._pending and manager._pending[-1].ahead_keys is not None:
@@ -979,12 +979,12 @@ def test_an_interrupt_while_a_fill_waits_for_its_tokens_leaves_the_grammar_proce
                     raise KeyboardInterrupt
             return finish(job)
 
-        scheduler.finish_fill = interrupted
+        scheduler.grammar.finish_fill = interrupted
         try:
             with pytest.raises(KeyboardInterrupt):
                 llm.generate(["Give digits"], _digits(15, 20), use_tqdm=False)
         finally:
-            scheduler.finish_fill = finish
+            scheduler.grammar.finish_fill = finish
         assert len(calls) == 3
         assert manager._pending and not any(j.ahead_keys is not None for j in manager._pending)
         req = manager.request(S(regex=r"[0-9]+"))
@@ -1177,7 +1177,7 @@ def test_an_interrupt_once_a_steps_tokens_went_ahead_keeps_that_step(inproc_engi
     from asyncllm.messages import EngineCoreRequest
 
     core = inproc_engine.engine.client.core
-    give, calls = core.scheduler.give_grammar_tokens, []
+    give, calls = core.scheduler.grammar.give_grammar_tokens, []
 
     def interrupted(job, runner):
         give(job, runner)
@@ -1186,13 +1186,13 @@ def test_an_interrupt_once_a_steps_tokens_went_ahead_keeps_that_step(inproc_engi
             if len(calls) == 2:
                 raise KeyboardInterrupt
 
-    monkeypatch.setattr(core.scheduler, "give_grammar_tokens", interrupted)
+    monkeypatch.setattr(core.scheduler.grammar, "give_grammar_tokens", interrupted)
     params = _digits(12, 12)
     core.add_request(EngineCoreRequest("cut", [1, 2, 3, 4], params, 2, 12, time.monotonic()))
     outs: dict[str, list] = {}
     with pytest.raises(KeyboardInterrupt):
         _run_until_done(core, outs)
-    monkeypatch.setattr(core.scheduler, "give_grammar_tokens", give)
+    monkeypatch.setattr(core.scheduler.grammar, "give_grammar_tokens", give)
     assert core.scheduler.num_steps_in_flight == len(core._in_flight) > 0
     _run_until_done(core, outs)
     final = outs["cut"][-1]
@@ -1366,7 +1366,7 @@ def test_a_steps_tokens_go_ahead_to_the_matchers_once(inproc_engine):
     record = sched._in_flight[id(last)][1]
     assert [r.request_id for r, _ in sched.grammar.ahead_accepts(last, record)] == ["once"]
     assert sched.grammar.ahead_accepts(last, record) == []  # (given already)
-    sched.accept_when_applied(last)  # (the fill never got them: its update accepts them)
+    sched.grammar.accept_when_applied(last)  # (the fill never got them: its update accepts them)
     _run_until_done(core, outs)
     text = inproc_engine.get_tokenizer().decode([t for o in outs["once"] for t in o.new_token_ids])
     assert re.fullmatch(r"[0-9]{8}", text), text

@@ -12,9 +12,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from asyncllm.config import EngineArgs
-from asyncllm.engine.core import EngineCore
-from asyncllm.engine.core_config import create_engine_config
 from asyncllm.messages import EngineCoreRequest
 from asyncllm.model.attention.registry import (
     AttentionBackendEntry,
@@ -31,7 +28,7 @@ from asyncllm.model.attention.registry import (
 from asyncllm.model.attention.torch_native import TorchNativeBackend
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker.model_runner import ModelRunner
-from tests.model.tiny import make_tiny_model
+from tests.model.tiny import make_tiny_model, tiny_engine_core
 
 CPU = torch.device("cpu")
 
@@ -76,22 +73,6 @@ def tiny_folder(tmp_path_factory):
     return folder
 
 
-def _config(folder, backend: str | None):
-    config = create_engine_config(
-        EngineArgs(
-            model=str(folder),
-            device="cpu",
-            dtype="float32",
-            max_model_len=128,
-            skip_tokenizer_init=True,
-            num_gpu_blocks_override=64,
-        )
-    )
-    # (EngineArgs knows the built-in names only; the runner asks the registry)
-    config.attention_backend = backend
-    return config
-
-
 def test_the_built_in_backends_come_first_and_triton_stays_unimported():
     names = attention_backend_names()
     assert names[:2] == ["triton", "torch_native"]
@@ -110,7 +91,7 @@ def test_the_built_in_backends_come_first_and_triton_stays_unimported():
 
 
 def test_a_registered_backend_is_chosen_by_name_and_runs_engine_steps(tiny_folder, counting):
-    core = EngineCore(_config(tiny_folder, "counting"))
+    core = tiny_engine_core(tiny_folder, attention_backend="counting")
     try:
         runner = core.executor.worker.runner  # type: ignore[attr-defined]
         assert isinstance(runner, ModelRunner)
@@ -166,7 +147,7 @@ def test_a_backend_that_does_not_run_on_the_device_is_refused(tiny_folder):
     with pytest.raises(ValueError, match="attention_backend 'triton' needs a CUDA device, got cpu"):
         select_attention_backend(CPU, "triton")
     with pytest.raises(ValueError, match="attention_backend 'triton' needs a CUDA device"):
-        ModelRunner(_config(tiny_folder, "triton"))
+        tiny_engine_core(tiny_folder, attention_backend="triton")
 
 
 def test_a_backend_refuses_a_dtype_or_block_size_it_does_not_declare(counting):

@@ -200,7 +200,7 @@ def profile_batch(
     _wrap(core.scheduler, "schedule", "schedule", times)
     _wrap(core.scheduler, "update_from_output", "update", times)
     _wrap(core.scheduler, "plan_grammar_fill", "fill", times)
-    _wrap(core.scheduler, "give_grammar_tokens", "fill", times)
+    _wrap(core.scheduler.grammar, "give_grammar_tokens", "fill", times)
     _wrap(runner.grammar, "apply_bitmask", "mask", times)
     _wrap(runner, "_update_states", "prepare", times)
     _wrap(runner, "_prepare_inputs", "prepare", times)

@@ -21,6 +21,7 @@ from concurrent.futures import wait as futures_wait
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.core.request import Request, RequestStatus
+from asyncllm.core.step_plan import Scheduled
 from asyncllm.messages import ErrorKind
 from asyncllm.structured.grammar_process import GrammarProcessError
 
@@ -32,10 +33,6 @@ if TYPE_CHECKING:
         StructuredOutputManager,
         StructuredRequest,
     )
-
-# One request of a scheduled step, as the scheduler recorded it: the request, its
-# computed tokens before the step, whether the step samples for it, its preemptions then.
-Scheduled = tuple[Request, int, bool, int]
 
 
 class GrammarFill:
@@ -128,7 +125,10 @@ class GrammarFill:
         self._masks_due.pop(id(sched), None)
 
     def masks_due(self, sched: SchedulerOutput) -> bool:
-        """See `Scheduler.masks_due`."""
+        """Whether `sched`'s grammar bitmask waits for `plan_grammar_fill`: one of its
+        constrained requests samples after a token still in flight, which its matcher
+        must accept first. The step's results (`update_from_output`) of every step in
+        flight must be applied before it is filled, and it before `sched` runs."""
         return id(sched) in self._masks_due
 
     def plan_grammar_fill(
@@ -138,7 +138,7 @@ class GrammarFill:
         record: list[Scheduled] | None,
         device: bool,
     ) -> FillJob | None:
-        """See `Scheduler.plan_grammar_fill`; `record`: the scheduler's record of the
+        """`Scheduler.plan_grammar_fill`, given the scheduler's record of the
         step in flight `ahead` (None: none, or no longer in flight)."""
         due = self._masks_due.pop(id(sched), None)
         if due is None:
@@ -172,7 +172,8 @@ class GrammarFill:
         ]
 
     def accept_when_applied(self, sched: SchedulerOutput) -> None:
-        """See `Scheduler.accept_when_applied`."""
+        """The step's tokens go to its matchers when it is applied after all: the fill
+        `plan_grammar_fill` sent ahead of them never got them (its launch failed)."""
         self._accepted_ahead.discard(id(sched))
 
     def take_accepted_ahead(self, sched: SchedulerOutput) -> bool:
@@ -190,7 +191,9 @@ class GrammarFill:
         return bool(self._accepted_ahead)
 
     def give_grammar_tokens(self, job: FillJob | None, runner: ModelRunnerOutput | None) -> None:
-        """See `Scheduler.give_grammar_tokens`."""
+        """Sends `job` (`plan_grammar_fill`'s) the tokens its step ahead sampled
+        (`runner`, its output; None: it had none), up to the first that ends a grammar;
+        the fill then runs."""
         if job is not None and runner is None:
             job.release_tokens()  # (a device job: its step did not launch)
         if job is None or job.ahead_keys is None:
@@ -247,7 +250,9 @@ class GrammarFill:
         return job
 
     def finish_fill(self, job: FillJob) -> None:
-        """See `Scheduler.finish_fill`."""
+        """Waits for a fill `plan_grammar_fill` started, and ends the requests whose
+        grammar refused one of the tokens it accepted (or, if the grammar process was
+        lost, every request whose matcher it held)."""
         try:
             refused = job.wait()
         except GrammarProcessError as e:  # (the step's bitmask now allows every token)

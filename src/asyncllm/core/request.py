@@ -7,6 +7,7 @@ import time
 from typing import Any, Protocol
 
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.step_io import TokenLogprobs
 
 
 class BlockHasher(Protocol):
@@ -131,6 +132,38 @@ class Request:
         self.num_tokens += 1
         if self.num_tokens >= self._hash_at:
             self._hash_blocks()
+
+    def check_stop(self, token: int, max_model_len: int) -> bool:
+        """Whether `token`, the request's last, ends it; if so, sets its finished status
+        (and stop_reason for a stop token). eos and stop tokens count only once
+        min_tokens are out; max_tokens and max_model_len always do."""
+        params = self.sampling_params
+        num_output = len(self.output_token_ids)
+        if num_output >= params.min_tokens:
+            if token == self.eos_token_id and not params.ignore_eos:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            stop_token_ids = params.stop_token_ids
+            if stop_token_ids and token in stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = token
+                return True
+        if num_output >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def take_new_prompt_logprobs(self, lp: TokenLogprobs, start: int) -> TokenLogprobs | None:
+        """The prompt logprobs of a chunk whose first position is `start` that were not
+        sent before (after a preemption, the prefill computes them again); None if
+        none. Counts them as sent."""
+        skip = max(0, self.num_prompt_logprobs_sent - start)
+        self.num_prompt_logprobs_sent = max(self.num_prompt_logprobs_sent, start + len(lp.ranks))
+        if skip == 0:
+            return lp
+        if skip >= len(lp.ranks):
+            return None
+        return TokenLogprobs(lp.token_ids[skip:], lp.logprobs[skip:], lp.ranks[skip:])
 
     def __repr__(self) -> str:
         return (

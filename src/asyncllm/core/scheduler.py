@@ -12,18 +12,11 @@ then `_build_output`, which also advances each request's computed tokens and the
 statistics. `update_from_output()` appends the sampled tokens, applies the stop rules
 and frees the requests that finished.
 
-Async scheduling: the engine may schedule step N+1 before step N's results are
-applied. A step that reaches the end of a request's known tokens will sample one: it
-counts as an output placeholder (`Request.num_output_placeholders`) until its result
-comes back, so the next step can already schedule the decode of that token (the runner
-feeds it from the device) and a request whose placeholders reach `max_tokens` or
-`max_model_len` is not scheduled again. Each scheduled step is recorded with its
-requests (the objects, not the ids), and `update_from_output` applies exactly that
-record: tokens of a request that ended or was preempted since are dropped, and a
-request that ended while a step of it was in flight keeps its blocks (detached from its
-id) until the last such step is applied. A preempted request's blocks are freed at
-once: the device runs steps in order, so whatever reuses them runs after the step in
-flight has written them.
+Async scheduling (the engine schedules step N+1 before step N's results are applied)
+rests on output placeholders and on each step's record of its requests: see the
+`Scheduler` contract. A request that ended while a step of it was in flight keeps its
+blocks (detached from its id) until the last such step is applied; a preempted one's
+are freed at once (the device runs steps in order).
 
 A request is never left to block the others: one that can never get a token scheduled
 (an empty prompt, a prompt of more than max_model_len tokens, more KV blocks than the
@@ -40,10 +33,11 @@ from typing import TYPE_CHECKING
 
 from asyncllm.config import SchedulerConfig, SchedulingPolicy
 from asyncllm.core.block_pool import KVCacheBlock
-from asyncllm.core.grammar_fill import GrammarFill, Scheduled
+from asyncllm.core.grammar_fill import GrammarFill
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.request_queue import create_request_queue
+from asyncllm.core.step_plan import Scheduled, StepPlan
 from asyncllm.messages import EngineCoreOutput, ErrorKind, RequestError, SchedulerStats
 from asyncllm.step_io import (
     CachedRequestData,
@@ -55,53 +49,6 @@ from asyncllm.step_io import (
 
 if TYPE_CHECKING:
     from asyncllm.structured.manager import FillJob, StructuredOutputManager
-
-
-class _StepPlan:
-    """What one `schedule()` call has handed out so far: parallel lists, in batch order."""
-
-    __slots__ = (
-        "budget",
-        "reqs",
-        "num_tokens",
-        "computed_before",
-        "new_block_ids",
-        "preempted",
-    )
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget  # tokens left this step
-        self.reqs: list[Request] = []
-        self.num_tokens: list[int] = []  # tokens each computes this step
-        self.computed_before: list[int] = []  # tokens each had computed before
-        # A running request's blocks new this step; None for one admitted from the
-        # waiting queue this step (the runner gets all of its data).
-        self.new_block_ids: list[list[int] | None] = []
-        self.preempted = False
-
-    def add(self, req: Request, n: int, num_computed: int, new_block_ids: list[int] | None) -> None:
-        """`req` computes `n` tokens this step, after `num_computed`."""
-        self.reqs.append(req)
-        self.num_tokens.append(n)
-        self.computed_before.append(num_computed)
-        self.new_block_ids.append(new_block_ids)
-        self.budget -= n
-
-    def take_back(self, req: Request) -> None:
-        """Undoes `add` for a request preempted later in the same step."""
-        for i, r in enumerate(self.reqs):
-            if r is req:
-                self.budget += self.num_tokens[i]
-                for column in (self.reqs, self.num_tokens, self.computed_before):
-                    del column[i]
-                del self.new_block_ids[i]
-                return
-
-
-# One request of a scheduled step, as it was when scheduled: the request, its computed
-# tokens before the step, whether the step samples a token for it (it reaches the end
-# of its tokens), and its preemption count (a later preemption voids the step's result).
-_Scheduled = Scheduled
 
 
 class Scheduler:
@@ -166,14 +113,9 @@ class Scheduler:
         self.stats = SchedulerStats(num_blocks=kv_cache_manager.num_blocks)
         self._error_outputs: list[EngineCoreOutput] = []  # requests ended by `schedule()`
         # Steps scheduled and not yet applied: id(SchedulerOutput) -> (it, its requests).
-        self._in_flight: dict[int, tuple[SchedulerOutput, list[_Scheduled]]] = {}
+        self._in_flight: dict[int, tuple[SchedulerOutput, list[Scheduled]]] = {}
         # Structured outputs: grammars compiling, bitmasks to fill, tokens for matchers.
         self.grammar = GrammarFill(structured, self.requests, self._fail_later)
-
-    @property
-    def compiling(self) -> list[Request]:
-        """Requests waiting for their grammars, not yet queued."""
-        return self.grammar.compiling
 
     # -- requests in and out -------------------------------------------------------
 
@@ -293,12 +235,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         """Whether `schedule()` has anyone to schedule (running, waiting, or waiting for
         its grammar)."""
-        return bool(self.running) or len(self.waiting) > 0 or bool(self.compiling)
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.grammar.compiling)
 
     @property
     def num_unfinished_requests(self) -> int:
         """Running plus waiting requests."""
-        return len(self.running) + len(self.waiting) + len(self.compiling)
+        return len(self.running) + len(self.waiting) + len(self.grammar.compiling)
 
     # -- one step ------------------------------------------------------------------
 
@@ -309,17 +251,17 @@ class Scheduler:
         step had run, so the runner must run every step it is given. The output may
         schedule no token (nothing fits) yet still carry ids for the runner to forget.
         """
-        if self.compiling:
+        if self.grammar.compiling:
             idle = not self.running and not len(self.waiting) and not self._in_flight
             for req in self.grammar.take_compiled(wait=idle):
                 self.waiting.add(req)
-        step = _StepPlan(self.config.max_num_batched_tokens)
+        step = StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted:  # the pool is short: admitting would only preempt again
             self._schedule_waiting(step)
         return self._build_output(step)
 
-    def _schedule_running(self, step: _StepPlan) -> None:
+    def _schedule_running(self, step: StepPlan) -> None:
         """Gives each running request, in order, its next tokens (one decode token or the
         next prefill chunk), preempting others when its new tokens do not fit in the
         blocks. Stops when the budget is spent, or when the request being served was
@@ -367,7 +309,7 @@ class Scheduler:
             i += 1
 
     def _preempt_until_allocated(
-        self, req: Request, n: int, step: _StepPlan
+        self, req: Request, n: int, step: StepPlan
     ) -> list[KVCacheBlock] | None:
         """Preempts running requests (see `_preempt_one`) until `n` more tokens of `req`
         fit; returns its new blocks, or None if `req` itself was preempted. A victim
@@ -423,7 +365,7 @@ class Scheduler:
         self.waiting.prepend(victim)
         self.finished_req_ids.add(victim.request_id)  # the runner drops its state
 
-    def _schedule_waiting(self, step: _StepPlan) -> None:
+    def _schedule_waiting(self, step: StepPlan) -> None:
         """Admits waiting requests in queue order, each starting after its prefix-cache
         hit, while the budget, `max_num_seqs` and the free blocks allow. Stops at the
         first that does not fit rather than skip it, so small requests behind a big one
@@ -488,7 +430,7 @@ class Scheduler:
             n = threshold
         return min(n, budget, self.config.max_model_len - num_computed)
 
-    def _build_output(self, step: _StepPlan) -> SchedulerOutput:
+    def _build_output(self, step: StepPlan) -> SchedulerOutput:
         """The SchedulerOutput for the plan: full data for newly admitted (or resumed)
         requests, only what changed for the others. Advances each scheduled request's
         `num_computed_tokens`, output placeholders and the step statistics, records the
@@ -503,7 +445,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         prefill = decode = 0
         chunked = False
-        scheduled: list[_Scheduled] = []
+        scheduled: list[Scheduled] = []
         structured: list[Request] = []
         lagging = False  # a structured row's matcher has yet to see a token in flight
         for req, n, before, blocks in zip(
@@ -561,13 +503,6 @@ class Scheduler:
 
     # -- structured outputs: the grammar fill (see core/grammar_fill.py) -----------
 
-    def masks_due(self, sched: SchedulerOutput) -> bool:
-        """Whether `sched`'s grammar bitmask waits for `plan_grammar_fill`: one of its
-        constrained requests samples after a token still in flight, which its matcher
-        must accept first. The step's results (`update_from_output`) of every step in
-        flight must be applied before it is filled, and it before `sched` runs."""
-        return self.grammar.masks_due(sched)
-
     def plan_grammar_fill(
         self, sched: SchedulerOutput, ahead: SchedulerOutput | None = None, device: bool = False
     ) -> FillJob | None:
@@ -587,23 +522,6 @@ class Scheduler:
         return self.grammar.plan_grammar_fill(
             sched, ahead, record[1] if record is not None else None, device
         )
-
-    def accept_when_applied(self, sched: SchedulerOutput) -> None:
-        """The step's tokens go to its matchers when it is applied after all: the fill
-        `plan_grammar_fill` sent ahead of them never got them (its launch failed)."""
-        self.grammar.accept_when_applied(sched)
-
-    def give_grammar_tokens(self, job: FillJob | None, runner: ModelRunnerOutput | None) -> None:
-        """Sends `job` (`plan_grammar_fill`'s) the tokens its step ahead sampled
-        (`runner`, its output; None: it had none), up to the first that ends a grammar;
-        the fill then runs."""
-        self.grammar.give_grammar_tokens(job, runner)
-
-    def finish_fill(self, job: FillJob) -> None:
-        """Waits for a fill `plan_grammar_fill` started, and ends the requests whose
-        grammar refused one of the tokens it accepted (or, if the grammar process was
-        lost, every request whose matcher it held)."""
-        self.grammar.finish_fill(job)
 
     def _record_step(self, prefill: int, decode: int, chunked: bool) -> None:
         s = self.stats
@@ -676,7 +594,7 @@ class Scheduler:
             new_tokens.append(token)
             if constrained and accept:
                 self.grammar.note_kept(req, token)
-            if self._check_stop(req, token):
+            if req.check_stop(token, self.config.max_model_len):
                 finished = True
                 break
             if token in ends_grammar:
@@ -685,7 +603,7 @@ class Scheduler:
                 break
         prompt_lp = runner.prompt_logprobs.get(rid) if runner.prompt_logprobs else None
         if prompt_lp is not None:  # (positions computed_before on: drop those sent before)
-            prompt_lp = self._new_prompt_logprobs(req, prompt_lp, computed_before)
+            prompt_lp = req.take_new_prompt_logprobs(prompt_lp, computed_before)
         if not new_tokens and prompt_lp is None and not finished:
             return None  # mid-prefill: nothing to say yet
         logprobs = runner.logprobs.get(rid) if runner.logprobs and new_tokens else None
@@ -710,38 +628,6 @@ class Scheduler:
             self.running.remove(req)
             self._free(req)
         return out
-
-    @staticmethod
-    def _new_prompt_logprobs(req: Request, lp: TokenLogprobs, start: int) -> TokenLogprobs | None:
-        """The prompt logprobs of a chunk whose first position is `start` that were not
-        sent before (after a preemption, the prefill computes them again); None if none."""
-        skip = max(0, req.num_prompt_logprobs_sent - start)
-        req.num_prompt_logprobs_sent = max(req.num_prompt_logprobs_sent, start + len(lp.ranks))
-        if skip == 0:
-            return lp
-        if skip >= len(lp.ranks):
-            return None
-        return TokenLogprobs(lp.token_ids[skip:], lp.logprobs[skip:], lp.ranks[skip:])
-
-    def _check_stop(self, req: Request, token: int) -> bool:
-        """Whether `token`, the request's last, ends it; if so, sets its finished status
-        (and stop_reason for a stop token). eos and stop tokens count only once
-        min_tokens are out; max_tokens and max_model_len always do."""
-        params = req.sampling_params
-        num_output = len(req.output_token_ids)
-        if num_output >= params.min_tokens:
-            if token == req.eos_token_id and not params.ignore_eos:
-                req.status = RequestStatus.FINISHED_STOPPED
-                return True
-            stop_token_ids = params.stop_token_ids
-            if stop_token_ids and token in stop_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = token
-                return True
-        if num_output >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
-            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
 
     def make_stats(self) -> SchedulerStats:
         """A snapshot of the counters (since start, and of the last step) with the

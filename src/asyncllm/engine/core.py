@@ -215,7 +215,7 @@ class EngineCore:
     ) -> tuple[bool, bool, bool]:
         """Launches the step `sched` (`step`'s loop): whether it launched, whether a step
         was applied meanwhile, and whether it is the last this call launches."""
-        masks_due = not sched.is_empty and self.scheduler.masks_due(sched)
+        masks_due = not sched.is_empty and self.scheduler.grammar.masks_due(sched)
         device = masks_due and self._uses_device_steps()
         job = ahead = last = None
         applied = False
@@ -234,11 +234,11 @@ class EngineCore:
             # next step can be sent; unless the device's hand-over is queued)
             if not sched.grammar_seq or not self.executor.grammar_tokens_given(sched.grammar_seq):
                 given = job is not None and job.tokens_sent  # (interrupted just after)
-                self.scheduler.give_grammar_tokens(job, None)
+                self.scheduler.grammar.give_grammar_tokens(job, None)
                 if last is not None and not given and any(s is last for s, _ in self._in_flight):
                     # (the step ahead stays in flight, its tokens not given to the fill:
                     # its matchers accept them when it is applied)
-                    self.scheduler.accept_when_applied(last)
+                    self.scheduler.grammar.accept_when_applied(last)
             raise
         if device:
             self._in_flight.append((sched, future))
@@ -256,7 +256,7 @@ class EngineCore:
             if masks_due and not split:  # (the step ahead is applied while the fill runs)
                 applied |= self._apply_ahead(ahead, outputs)
                 if job is not None:
-                    self.scheduler.finish_fill(job)
+                    self.scheduler.grammar.finish_fill(job)
             sched.grammar_bitmask_later = split
             future = self.executor.execute_model_async(sched)
             self._in_flight.append((sched, future))
@@ -297,7 +297,7 @@ class EngineCore:
             self._filling = None
             try:
                 if job is not None:
-                    self.scheduler.finish_fill(job)
+                    self.scheduler.grammar.finish_fill(job)
             finally:
                 future.finish_launch()
 
@@ -311,7 +311,7 @@ class EngineCore:
             return None
         before, before_future = self._in_flight[0]
         ahead = (before, before_future.result())
-        self.scheduler.give_grammar_tokens(job, ahead[1])
+        self.scheduler.grammar.give_grammar_tokens(job, ahead[1])
         self._in_flight.popleft()  # (only now: interrupted before, it stays in flight)
         return ahead
 

@@ -29,13 +29,13 @@ class UniProcExecutor(Executor):
         return self.worker.execute_model_async(scheduler_output)
 
     def attach_grammar_memory(self, memory: GrammarMemory) -> None:
-        self.worker.runner.grammar_memory = memory
+        self.worker.runner.grammar.memory = memory
 
     def wait_bitmask_copied(self, buffer: int) -> None:
-        self.worker.runner.wait_bitmask_copied(buffer)
+        self.worker.runner.grammar.wait_bitmask_copied(buffer)
 
     def grammar_tokens_given(self, seq: int) -> bool:
-        return self.worker.runner.tokens_given_seq == seq
+        return self.worker.runner.grammar.tokens_given_seq == seq
 
     def startup_seconds(self) -> dict[str, float]:
         return dict(self.worker.report.seconds)

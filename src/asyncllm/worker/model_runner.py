@@ -53,7 +53,6 @@ from asyncllm.model.loader import load_model
 from asyncllm.request_checks import check_params_for_model, check_prompt_token_ids
 from asyncllm.sample.logits_processor import LogitsProcessor, load_logits_processor_class
 from asyncllm.step_io import (
-    GrammarMemory,
     GrammarSync,
     ModelRunnerOutput,
     NewRequestData,
@@ -157,23 +156,6 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self.kv_cache_tensors(num_blocks)
-
-    # -- structured outputs: what the executor reaches -----------------------------------
-
-    @property
-    def grammar_memory(self) -> GrammarMemory | None:
-        return self.grammar.memory
-
-    @grammar_memory.setter
-    def grammar_memory(self, memory: GrammarMemory | None) -> None:
-        self.grammar.memory = memory
-
-    @property
-    def tokens_given_seq(self) -> int:
-        return self.grammar.tokens_given_seq
-
-    def wait_bitmask_copied(self, buffer: int) -> None:
-        self.grammar.wait_bitmask_copied(buffer)
 
     # -- the step ------------------------------------------------------------------------
 
