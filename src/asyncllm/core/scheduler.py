@@ -435,40 +435,14 @@ class Scheduler:
         requests, only what changed for the others. Advances each scheduled request's
         `num_computed_tokens`, output placeholders and the step statistics, records the
         step for `update_from_output`, and hands over the ids the runner must forget."""
-        new_data = []
-        cached = CachedRequestData()
-        cached_ids, cached_blocks, cached_computed = (
-            cached.req_ids,
-            cached.new_block_ids,
-            cached.num_computed_tokens,
-        )
-        num_scheduled: dict[str, int] = {}
+        new_data, cached = self._runner_data(step)
+        num_scheduled = {req.request_id: n for req, n in zip(step.reqs, step.num_tokens)}
         prefill = decode = 0
         chunked = False
         scheduled: list[Scheduled] = []
         structured: list[Request] = []
         lagging = False  # a structured row's matcher has yet to see a token in flight
-        for req, n, before, blocks in zip(
-            step.reqs, step.num_tokens, step.computed_before, step.new_block_ids
-        ):
-            rid = req.request_id
-            num_scheduled[rid] = n
-            if blocks is None:  # admitted this step
-                new_data.append(
-                    NewRequestData(
-                        req_id=rid,
-                        prompt_token_ids=req.prompt_token_ids,
-                        output_token_ids=list(req.output_token_ids),
-                        sampling_params=req.sampling_params,
-                        block_ids=self.kv.get_block_ids(rid),
-                        num_computed_tokens=before,
-                        eos_token_id=req.eos_token_id,
-                    )
-                )
-            else:
-                cached_ids.append(rid)
-                cached_blocks.append(blocks)
-                cached_computed.append(before)
+        for req, n, before in zip(step.reqs, step.num_tokens, step.computed_before):
             pending = req.num_output_placeholders
             known = req.num_tokens + pending
             if n == 1 and before == known - 1 and (pending or req.output_token_ids):
@@ -500,6 +474,31 @@ class Scheduler:
         if scheduled:
             self._in_flight[id(out)] = (out, scheduled)
         return out
+
+    def _runner_data(self, step: StepPlan) -> tuple[list[NewRequestData], CachedRequestData]:
+        """What the runner gets of each request: all of its data for one admitted (or
+        resumed after a preemption) this step, only its new blocks and computed tokens
+        for one it holds."""
+        new_data = []
+        cached = CachedRequestData()
+        for req, before, blocks in zip(step.reqs, step.computed_before, step.new_block_ids):
+            if blocks is None:  # admitted this step
+                new_data.append(
+                    NewRequestData(
+                        req_id=req.request_id,
+                        prompt_token_ids=req.prompt_token_ids,
+                        output_token_ids=list(req.output_token_ids),
+                        sampling_params=req.sampling_params,
+                        block_ids=self.kv.get_block_ids(req.request_id),
+                        num_computed_tokens=before,
+                        eos_token_id=req.eos_token_id,
+                    )
+                )
+            else:
+                cached.req_ids.append(req.request_id)
+                cached.new_block_ids.append(blocks)
+                cached.num_computed_tokens.append(before)
+        return new_data, cached
 
     # -- structured outputs: the grammar fill (see core/grammar_fill.py) -----------
 
