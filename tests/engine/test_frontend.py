@@ -274,6 +274,12 @@ def test_delta_outputs_carry_each_prompt_logprob_once(llm):
     assert len(outs) == 3
     sent = [p for o in outs for p in (o.prompt_logprobs or [])]
     assert len(sent) == 20 and sent[0] is None and all(p is not None for p in sent[1:])
+    # As vLLM: the outputs after the one that carried them hold [] (None means that
+    # prompt logprobs were not asked for), so code that extends a list with them works.
+    assert [o.prompt_logprobs for o in outs[1:]] == [[], []]
+    engine.add_request("none", list(range(100, 120)), params.clone(prompt_logprobs=None))
+    while engine.has_unfinished_requests():
+        assert all(o.prompt_logprobs is None for o in engine.step())
 
 
 @pytest.mark.parametrize("include", [False, True])

@@ -161,14 +161,15 @@ class RequestState:
         return True
 
     def take_prompt_logprobs(self, kind: RequestOutputKind) -> list[PositionLogprobs | None] | None:
-        """All prompt logprobs so far; for DELTA, only those not sent before (None when
-        there are none new), so each position goes out once."""
+        """All prompt logprobs so far; for DELTA, only those not sent before ([] when
+        none are new, as vLLM: None means they were not asked for), so each position
+        goes out once."""
         lps = self.prompt_logprobs
         if lps is None or kind is not RequestOutputKind.DELTA:
             return lps
         new = lps[self.sent_prompt_logprobs :]
         self.sent_prompt_logprobs = len(lps)
-        return new or None
+        return new
 
     def completion(self, kind: RequestOutputKind) -> CompletionOutput:
         text = self.visible_text()
