@@ -79,7 +79,7 @@ def main() -> None:
         for t in ids:
             assert not manager.accept([(i, r, t) for i, r in enumerate(reqs)])
             assert all(m.accept_token(t) for m in local)
-        bitmask = manager.allocate_bitmask(args.batch)
+        bitmask = manager.take_bitmask(args.batch)[1]
         rows = list(enumerate(reqs))
         batch = xgrammar.BatchGrammarMatcher(max_threads=1)
 

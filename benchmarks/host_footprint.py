@@ -61,10 +61,14 @@ async def storm(llm: AsyncLLM, n: int, in_flight: int, max_tokens: int) -> int:
     return sum(await asyncio.gather(*[client() for _ in range(in_flight)]))
 
 
-async def idle_rss(llm: AsyncLLM, settle_s: float) -> float:
+async def idle_rss(llm: AsyncLLM) -> float:
+    """The host's RSS once idle: every request over in the core (a stats call answered
+    after them), then the host's own heap trim after that traffic has happened."""
+    assert llm.client is not None
+    trims = llm.client.heap_trims
     stats = await llm.get_stats()  # answered once the core has taken every abort
     assert stats["num_running"] == stats["num_waiting"] == 0, stats
-    await asyncio.sleep(settle_s)
+    await llm.client.wait_for_heap_trim(after=trims)
     return rss_mb()
 
 
@@ -74,7 +78,6 @@ async def main() -> None:
     ap.add_argument("--requests", type=int, default=10000)
     ap.add_argument("--in-flight", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--settle", type=float, default=2.0, help="idle seconds before a reading")
     args = ap.parse_args()
     times = import_seconds(args.imports)
     row: dict[str, object] = {
@@ -87,12 +90,12 @@ async def main() -> None:
         row["start_s"] = round(time.perf_counter() - t, 2)
         row["host_rss_mb_started"] = round(rss_mb(), 1)
         await storm(llm, 64, 64, args.max_tokens)  # first use: lazily built tables
-        row["host_rss_mb_warm"] = start = round(await idle_rss(llm, args.settle), 1)
+        row["host_rss_mb_warm"] = start = round(await idle_rss(llm), 1)
         t = time.perf_counter()
         tokens = await storm(llm, args.requests, args.in_flight, args.max_tokens)
         row["storm_s"] = round(time.perf_counter() - t, 1)
         row["storm_tokens"] = tokens
-        row["host_rss_mb_after_storm_idle"] = end = round(await idle_rss(llm, args.settle), 1)
+        row["host_rss_mb_after_storm_idle"] = end = round(await idle_rss(llm), 1)
         row["host_rss_mb_growth"] = round(end - start, 1)
         row["heavy_modules_in_host"] = sorted(m for m in HEAVY if m in sys.modules)
     print(f"{'measure':34} value")

@@ -122,7 +122,7 @@ def main() -> None:
         for step in range(args.steps):
             if local[0].is_terminated() or (paths and step >= min(map(len, paths[:batch]))):
                 break
-            bitmask = manager.allocate_bitmask(batch)
+            bitmask = manager.take_bitmask(batch)[1]
             matchers = local
             for t, split in splits.items():
                 t0 = time.perf_counter()
@@ -133,7 +133,7 @@ def main() -> None:
                 batcher.batch_fill_next_token_bitmask(matchers, bitmask)
                 times.append(time.perf_counter() - t0)
             for t, m in managers.items():
-                own = m.allocate_bitmask(batch)  # (each process fills its own buffers)
+                own = m.take_bitmask(batch)[1]  # (each process fills its own buffers)
                 t0 = time.perf_counter()
                 m.fill_bitmask(own, list(enumerate(reqs_of[t])))
                 fills[t].append(time.perf_counter() - t0)

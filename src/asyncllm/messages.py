@@ -80,18 +80,12 @@ class ResolvedConfig(msgspec.Struct, kw_only=True):
     enforce_eager: bool
     hf_config: dict[str, Any]  # the model's config.json as transformers normalised it
 
-    @property
-    def skip_tokenizer_init(self) -> bool:
-        return self.tokenizer is None
-
 
 class EngineReady(msgspec.Struct, kw_only=True):
-    """The core loaded its model and sized its KV cache."""
+    """The core loaded its model and sized its KV cache (the rest of what the host
+    needs came before, in ResolvedConfig)."""
 
-    max_model_len: int
     num_blocks: int
-    block_size: int
-    vocab_size: int
     startup_seconds: dict[str, float] = {}  # the core's start-up, by stage
 
 

@@ -244,6 +244,28 @@ def test_an_n2_delta_request_sends_its_prompt_logprobs_once(llm):
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_the_host_trims_its_heap_once_idle_after_traffic_and_not_while_busy(
+    instant_async, monkeypatch
+):
+    """After requests, once none is open and the core has gone quiet, the host gives its
+    freed C heap back (malloc_trim); never while a request is open."""
+    from asyncllm.engine import host_client
+
+    client = instant_async.client
+    trims: list[int] = []
+    monkeypatch.setattr(host_client, "trim_heap", lambda: trims.append(len(open_)) or True)
+    open_: list[str] = []
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    before = client.heap_trims
+    async for out in instant_async.generate("t", params, request_id="trim"):
+        open_.append(out.request_id)  # (a trim now would see it open)
+    open_.clear()
+    await client.wait_for_heap_trim(after=before)
+    assert trims and set(trims) == {0}  # only with no request open
+    assert client.heap_trims == before + len(trims)
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_abort_ends_the_stream_with_an_abort_output_not_a_cancellation(instant_async):
     llm = instant_async
     params = SamplingParams(max_tokens=1000, ignore_eos=True)

@@ -59,7 +59,7 @@ def test_a_device_step_gets_its_tokens_and_sets_its_flag_through_shared_memory()
         stop = min(manager.stop_token_ids)
         assert manager.accept([("d", d, seven)]) == []  # (d may only end now)
         tokens, flags = manager.device_buffers()[0], _flags(manager)
-        bitmask = manager.allocate_bitmask(3)
+        bitmask = manager.take_bitmask(3)[1]
         bitmask.fill_(0)
         rows = [(0, a), (1, b), (2, d)]
         ahead = [("b", b), ("e", e), ("d", d)]
@@ -119,7 +119,7 @@ def test_a_device_step_waiting_for_its_tokens_does_not_hold_a_core():
         a = manager.request(S(regex=r"[0-9]+"))
         a.future.result()
         assert a.ready()  # (its matcher is made with the next message)
-        bitmask = manager.allocate_bitmask(1)
+        bitmask = manager.take_bitmask(1)[1]
         tokens, flags = manager.device_buffers()[0], _flags(manager)
         cpu0 = t0 = 0.0
         for i in range(160):
@@ -288,7 +288,7 @@ def test_a_device_left_waiting_by_a_lost_grammar_process_is_let_go(monkeypatch):
         a = manager.request(S(regex=r"[0-9]+"))
         a.future.result()
         assert a.ready()
-        bitmask = manager.allocate_bitmask(1)
+        bitmask = manager.take_bitmask(1)[1]
         bitmask.fill_(0)
         # (its tokens never come: the process waits for them)
         job = manager.start_fill(bitmask, [(0, a)], [], [("a", a)], device=True)

@@ -550,7 +550,7 @@ def test_matchers_accept_a_steps_tokens_at_once_and_name_each_refused_one():
         assert manager.accept([("a", a, seven), ("b", b, x), ("c", c, seven)]) == ["b"]
         assert manager.accept([("a", a, seven), ("a2", a, x), ("c", c, seven)]) == ["a2"]
         assert manager.accept([("b", b, seven)]) == []
-        bitmask = manager.allocate_bitmask(3)
+        bitmask = manager.take_bitmask(3)[1]
         bitmask.fill_(0)
         job = manager.start_fill(bitmask, [(0, a), (1, b), (2, c)], [("c", c, x)])
         assert job.wait() == ["c"]
@@ -559,7 +559,7 @@ def test_matchers_accept_a_steps_tokens_at_once_and_name_each_refused_one():
         ]
         assert allowed == [[1, 0]] * 3
         with pytest.raises(ValueError, match="max_rows"):
-            manager.allocate_bitmask(5)
+            manager.take_bitmask(5)[1]
     finally:
         manager.shutdown()
 
@@ -596,12 +596,12 @@ def test_the_matchers_of_ended_requests_are_freed_in_the_grammar_process():
                 process.send = lambda msg, send=send: (sent.append(copy.deepcopy(msg)), send(msg))[
                     1
                 ]
-            bitmask = manager.allocate_bitmask(4)
+            bitmask = manager.take_bitmask(4)[1]
             manager.start_fill(bitmask, list(enumerate(reqs)), []).wait()
             del reqs
             gc.collect()
         manager.start_fill(
-            manager.allocate_bitmask(1), [], [("x", manager.request(S(regex="a")), 0)]
+            manager.take_bitmask(1)[1], [], [("x", manager.request(S(regex="a")), 0)]
         )
         freed = [mid for msg in sent if msg[0] == "matchers" for mid in msg[2]]
         assert sorted(freed) == sorted(made)
@@ -637,7 +637,7 @@ def test_compiled_grammars_are_kept_up_to_a_bound_and_matchers_outlive_them(monk
             req.future.result()
             assert req.ready()
         assert len(manager._cache) == 2 and req.future is not first.future
-        bitmask = manager.allocate_bitmask(2)
+        bitmask = manager.take_bitmask(2)[1]
         (seven,), (x,) = tok.encode("7"), tok.encode("x")
         job = manager.start_fill(bitmask, [(0, first), (1, req)], [("f", first, seven)])
         assert job.wait() == []
@@ -683,8 +683,8 @@ def test_after_an_answer_times_out_no_later_answer_is_read_as_another_steps():
             return answer(timeout)
 
         process.answer = late_once
-        first = manager.start_fill(manager.allocate_bitmask(1), [(0, req)], [])
-        second = manager.start_fill(manager.allocate_bitmask(1), [(0, req)], [])
+        first = manager.start_fill(manager.take_bitmask(1)[1], [(0, req)], [])
+        second = manager.start_fill(manager.take_bitmask(1)[1], [(0, req)], [])
         with pytest.raises(GrammarProcessError, match="not answered"):
             second.wait()
         with pytest.raises(GrammarProcessError, match="not answered"):
@@ -752,7 +752,7 @@ def test_a_step_sent_before_its_tokens_waits_for_them_in_the_grammar_process():
         (seven,), (x,) = tok.encode("7"), tok.encode("x")
         stop = min(manager.stop_token_ids)
         assert manager.accept([("d", d, seven)]) == []  # (d may only end now)
-        bitmask = manager.allocate_bitmask(3)
+        bitmask = manager.take_bitmask(3)[1]
         bitmask.fill_(0)
         rows = [(0, a), (1, b), (2, d)]
         job = manager.start_fill(bitmask, rows, [("a", a, seven)], ahead=[("b", b), ("d", d)])
@@ -798,7 +798,7 @@ def test_a_dead_or_hung_grammar_process_fails_the_step_with_a_clear_error(monkey
         a = manager.request(S(regex=r"[0-9]+"))
         a.future.result()
         assert a.ready()
-        bitmask = manager.allocate_bitmask(1)
+        bitmask = manager.take_bitmask(1)[1]
         manager.fill_bitmask(bitmask, [(0, a)])
         first = manager._process
         assert first is not None
@@ -990,7 +990,7 @@ def test_an_interrupt_while_a_fill_waits_for_its_tokens_leaves_the_grammar_proce
         req = manager.request(S(regex=r"[0-9]+"))
         req.future.result()
         assert req.ready()
-        bitmask = manager.allocate_bitmask(1)
+        bitmask = manager.take_bitmask(1)[1]
         manager.fill_bitmask(bitmask, [(0, req)])  # (answered: the process serves)
         assert (bitmask != 0).any() and not (bitmask == -1).all()
         assert scheduler.num_steps_in_flight == len(core._in_flight)

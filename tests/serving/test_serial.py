@@ -44,7 +44,7 @@ EXAMPLES = [
     ),
     AbortRequests(["a", "b"]),
     UtilityCall(7, "get_stats"),
-    EngineReady(max_model_len=64, num_blocks=10, block_size=16, vocab_size=100),
+    EngineReady(num_blocks=10, startup_seconds={"core: load weights": 0.5}),
     ResolvedConfig(
         model=None,
         model_path="/cache/models/m",

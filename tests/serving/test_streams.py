@@ -136,9 +136,9 @@ async def test_host_loop_stays_responsive_during_64_streams(allm):
 
 
 async def test_ready_handshake_carries_what_the_client_needs(allm):
-    info = allm.client.info
-    assert info.max_model_len == 1024 and info.vocab_size == 49152
-    assert info.num_blocks > 0 and info.block_size == 16
+    config, info = allm.client.config, allm.client.info  # (CONFIG, then READY)
+    assert config.max_model_len == 1024 and config.vocab_size == 49152
+    assert info.num_blocks > 0 and config.block_size == 16
 
 
 async def test_malformed_frames_are_dropped_and_the_core_keeps_serving(allm):

@@ -177,15 +177,7 @@ class EngineCoreProc:
         self._input_thread.start()
         self._output_thread.start()
         self._serving = True
-        self.out_q.put(
-            EngineReady(
-                max_model_len=config.model.max_model_len,
-                num_blocks=core.num_blocks,
-                block_size=config.cache.block_size,
-                vocab_size=int(config.model.hf_config.vocab_size),
-                startup_seconds=stages,
-            )
-        )
+        self.out_q.put(EngineReady(num_blocks=core.num_blocks, startup_seconds=stages))
         return core
 
     def run(self) -> int:

@@ -272,6 +272,9 @@ class AsyncMPClient(_MPClientBase):
         self.output.bind(self.process.output_addr)
         self.calls: dict[int, Any] = {}  # call id -> the loop's future for its result
         self.handler: asyncio.Task | None = None
+        self.heap_trims = 0  # how often the output handler has trimmed the host's heap
+        self._trim_waiters: list[Any] = []  # futures for `wait_for_heap_trim`
+        self._deadline = 0.0  # (start-up's, set by `start`)
 
     # -- the loop-specific hooks (asyncio here) -------------------------------------------
 
@@ -370,6 +373,11 @@ class AsyncMPClient(_MPClientBase):
                         if traffic and idle():
                             traffic = False
                             await self._to_thread(trim_heap)
+                            self.heap_trims += 1
+                            waiters, self._trim_waiters = self._trim_waiters, []
+                            for fut in waiters:
+                                if not fut.done():
+                                    fut.set_result(None)
                         continue
                     traffic = True
                     kind, obj = msg
@@ -388,6 +396,15 @@ class AsyncMPClient(_MPClientBase):
                 on_dead(self.dead_reason)
 
         self._spawn_handler(loop, nursery)
+
+    async def wait_for_heap_trim(self, after: int, timeout: float = 30.0) -> None:
+        """Waits until the output handler has trimmed the heap more than `after` times
+        (it does once no request is open and the core has been quiet for POLL_S);
+        TimeoutError if it has not within `timeout`."""
+        while self.heap_trims <= after:
+            fut = self._future()
+            self._trim_waiters.append(fut)
+            await self._wait_result(fut, timeout)
 
     def _fail_calls(self, reason: str) -> None:
         for fut in self.calls.values():

@@ -30,8 +30,6 @@ class InputProcessor:
         gen_eos = config.eos_token_id
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             gen_eos = tokenizer.eos_token_id
-        if isinstance(gen_eos, list):
-            gen_eos = gen_eos[0] if gen_eos else None
         self.eos_token_id: int | None = gen_eos
         self._max_token_bytes: int | None = None  # read from the vocabulary when needed
 

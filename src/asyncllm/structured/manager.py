@@ -490,7 +490,7 @@ class StructuredOutputManager:
         """Sends a step to the grammar process: the matchers accept `accepts` (in order),
         then the tokens of `ahead` ((key, request) pairs; the job's `give_tokens` sends
         them: the step waits for them there), then fill their rows of `bitmask` (one of
-        `allocate_bitmask`'s) for `rows` ((row, request) pairs; a row whose matcher a
+        `take_bitmask`'s) for `rows` ((row, request) pairs; a row whose matcher a
         token ended allows every token), while the caller goes on. The caller must leave
         the bitmask and these requests alone until `wait()`, which gives the refused
         keys. GrammarProcessError if the process is lost.
@@ -571,10 +571,6 @@ class StructuredOutputManager:
         if self.wait_bitmask_copied is not None:
             self.wait_bitmask_copied(k)  # (at depth 2 it has long run)
         return k, buffers[k][:rows]
-
-    def allocate_bitmask(self, rows: int) -> torch.Tensor:
-        """`take_bitmask`'s view alone."""
-        return self.take_bitmask(rows)[1]
 
     def memory(self) -> GrammarBuffers:
         """The worker side's handle on the shared memory (see `GrammarBuffers`)."""
