@@ -86,9 +86,8 @@ def test_bad_flag_value_is_a_clear_error(capsys):
         ("--grace-period", "-1"),
         ("--log-level", "debugg"),
     ):
-        with pytest.raises(SystemExit) as exit_info:  # (argparse: before any engine starts)
-            main(["serve", flag, value, *ENGINE])
-        assert exit_info.value.code == 2 and flag in capsys.readouterr().err
+        assert main(["serve", flag, value, *ENGINE]) == 2  # (before any engine starts)
+        assert flag[2:].replace("-", "_") in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="a pseudo-terminal needs POSIX")

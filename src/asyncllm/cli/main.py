@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -19,17 +18,6 @@ from asyncllm.cli.args import add_dataclass_flags, dataclass_kwargs
 from asyncllm.config import EngineArgs
 
 BENCHMARKS = ("latency", "throughput", "serving", "startup", "step_profile")
-
-
-def _seconds(text: str) -> float:
-    """A finite, non-negative number of seconds (argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
-    return value
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -60,6 +48,12 @@ def _params(ns: argparse.Namespace, **kw: Any) -> Any:
     )
 
 
+def _server_flags(p: argparse.ArgumentParser) -> None:
+    from asyncllm.entrypoints.openai.server import ServerArgs
+
+    add_dataclass_flags(p.add_argument_group("server"), ServerArgs)
+
+
 def _engine_args(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**dataclass_kwargs(ns, EngineArgs))
 
@@ -82,26 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(p)
 
     p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
-    p.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="(default: 8000)")
-    p.add_argument(
-        "--api-key", default=None, help="require this bearer key on /v1 (or ASYNCLLM_API_KEY)"
-    )
-    p.add_argument(
-        "--served-model-name", default=None, help="the model's name in the API (default: --model)"
-    )
-    p.add_argument(
-        "--grace-period",
-        type=_seconds,
-        default=10.0,
-        help="seconds streams may finish after SIGTERM (default: 10)",
-    )
-    p.add_argument(
-        "--log-level",
-        default="warning",
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-        help="uvicorn's (default: warning)",
-    )
+    _server_flags(p)
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     _engine_flags(p)
 
@@ -121,19 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             importlib.import_module(f"asyncllm.bench.{ns.benchmark}").main(ns.rest)
         elif ns.command == "serve":
-            from asyncllm.entrypoints.openai.server import serve
+            from asyncllm.entrypoints.openai.server import ServerArgs, serve
 
-            asyncio.run(
-                serve(
-                    _engine_args(ns),
-                    ns.host,
-                    ns.port,
-                    ns.api_key,
-                    ns.served_model_name,
-                    ns.grace_period,
-                    ns.log_level,
-                )
-            )
+            server_args = ServerArgs(**dataclass_kwargs(ns, ServerArgs))
+            asyncio.run(serve(_engine_args(ns), server_args))
         elif ns.command == "generate":
             asyncio.run(_generate(ns))
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import signal
 import sys
@@ -22,37 +23,59 @@ from asyncllm import envs
 from asyncllm.config import EngineArgs
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)  # each: stop accepting, finish, shut down
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
-async def serve(
-    args: EngineArgs,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    served_model_name: str | None = None,
-    grace_period: float = 10.0,
-    log_level: str = "warning",
-) -> None:
+@dataclasses.dataclass
+class ServerArgs:
+    """The server's own settings (`asyncllm serve` makes one flag of each field)."""
+
+    host: str = "127.0.0.1"
+    """the address to listen on"""
+    port: int = 8000
+    """the port to listen on (0: a free one, named on stderr)"""
+    api_key: str | None = None
+    """require this bearer key on /v1 (or the ASYNCLLM_API_KEY environment variable)"""
+    served_model_name: str | None = None
+    """the model's name in the API (default: the model's path, "default" for the embedded one)"""
+    grace_period: float = 10.0
+    """seconds that open streams may finish after SIGTERM or Ctrl-C"""
+    log_level: str = "warning"
+    """uvicorn's log level: critical, error, warning, info, debug or trace"""
+
+    def __post_init__(self) -> None:
+        g = self.grace_period
+        if isinstance(g, bool) or not isinstance(g, int | float) or not math.isfinite(g) or g < 0:
+            raise ValueError(f"grace_period must be a finite number of seconds >= 0, got {g}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(
+                f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+
+
+async def serve(args: EngineArgs, server_args: ServerArgs | None = None) -> None:
+    sa = server_args or ServerArgs()
     import uvicorn
 
     from asyncllm.entrypoints.async_llm import AsyncLLM
     from asyncllm.entrypoints.openai.app import build_app
 
-    if api_key is None:
-        api_key = envs.api_key()
+    api_key = sa.api_key if sa.api_key is not None else envs.api_key()
     llm = AsyncLLM.from_engine_args(args)
     await llm.start()
     try:
-        app = build_app(llm, served_model_name, api_key)
+        app = build_app(llm, sa.served_model_name, api_key)
         config = uvicorn.Config(
             app,
-            host=host,
-            port=port,
+            host=sa.host,
+            port=sa.port,
             lifespan="off",
-            log_level=log_level,
-            timeout_graceful_shutdown=math.ceil(grace_period),
+            log_level=sa.log_level,
+            timeout_graceful_shutdown=math.ceil(sa.grace_period),
         )
-        server = _server_class(uvicorn, app.state.openai_server.model_name, host)(config)
+        server = _server_class(uvicorn, app.state.openai_server.model_name, sa.host)(config)
         await server.serve()
     finally:
         await llm.shutdown()
