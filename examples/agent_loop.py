@@ -92,7 +92,11 @@ def calculate(expression: str) -> float:
             return _OPS[type(node.op)](value(node.operand))
         raise ValueError(f"not arithmetic: {expression!r}")
 
-    return value(ast.parse(expression, mode="eval").body)
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except SyntaxError:  # such as "(1" or "2 +", which the tool's pattern lets through
+        raise ValueError(f"not arithmetic: {expression!r}") from None
+    return value(tree.body)
 
 
 @dataclass
@@ -120,7 +124,7 @@ class Agent:
                     .strftime("%Y-%m-%d %H:%M %Z")
                 )
             return f"error: no tool named {name!r}"
-        except (ValueError, KeyError, TypeError, ZeroDivisionError) as e:
+        except (ValueError, KeyError, TypeError, ArithmeticError) as e:
             return f"error: {e}"
 
     async def ask(self, question: str) -> tuple[str, list[dict[str, Any]]]:

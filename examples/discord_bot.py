@@ -6,12 +6,14 @@ handler (`answer`) needs only the message's `content`, `author`, `mentions` and
 
     pip install discord.py
     DISCORD_TOKEN=... python examples/discord_bot.py
+    pytest tests/examples/test_bots.py    # or try it offline: fake messages, no token
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from typing import Any
 
@@ -53,6 +55,13 @@ async def answer(
 
 
 def main() -> None:
+    if not os.environ.get("DISCORD_TOKEN"):
+        print(
+            "discord_bot.py: DISCORD_TOKEN is not set (your bot's token); to try the bot "
+            "offline, with fake messages: pytest tests/examples/test_bots.py",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     import discord
 
     llm = AsyncLLM()

@@ -25,6 +25,8 @@ async def main() -> None:
     ap.add_argument("questions", nargs="*", help="(default: three built-in questions)")
     ap.add_argument("--max-tokens", type=int, default=160)
     args = ap.parse_args()
+    if args.max_tokens < 1:
+        ap.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
     questions = args.questions or QUESTIONS
     start = time.perf_counter()
     async with AsyncLLM() as llm:  # no model named: the embedded default

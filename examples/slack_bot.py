@@ -5,6 +5,7 @@ dict and `say`, so it runs without Slack in tests.
 
     pip install slack_bolt aiohttp
     SLACK_BOT_TOKEN=xoxb-... SLACK_APP_TOKEN=xapp-... python examples/slack_bot.py
+    pytest tests/examples/test_bots.py    # or try it offline: fake events, no tokens
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -39,6 +41,14 @@ async def on_mention(
 
 
 async def main() -> None:
+    missing = [v for v in ("SLACK_BOT_TOKEN", "SLACK_APP_TOKEN") if not os.environ.get(v)]
+    if missing:
+        print(
+            f"slack_bot.py: {' and '.join(missing)} not set (your app's tokens); to try the "
+            "bot offline, with fake events: pytest tests/examples/test_bots.py",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     from slack_bolt.adapter.socket_mode.async_handler import AsyncSocketModeHandler
     from slack_bolt.async_app import AsyncApp
 

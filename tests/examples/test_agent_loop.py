@@ -26,11 +26,14 @@ def _schema(name: str) -> dict:
 
 def test_the_calculator_evaluates_arithmetic_only():
     assert agent_loop.calculate("3 + 4 * (5 - 1) / 2") == 11
-    for bad in ("__import__('os')", "2 ** 8", "x + 1"):
+    for bad in ("__import__('os')", "2 ** 8", "x + 1", "(1", "2 +", ""):
         with pytest.raises(ValueError, match="not arithmetic"):
             agent_loop.calculate(bad)
     agent = agent_loop.Agent(llm=None, now=lambda: NOW)
     assert agent.run_tool("calculator", '{"expression": "1 / 0"}').startswith("error:")
+    # what the tool's schema lets through but is not arithmetic is an error for the model
+    assert agent.run_tool("calculator", '{"expression": "(1"}') == "error: not arithmetic: '(1'"
+    assert agent.run_tool("calculator", '{"expression": 5}').startswith("error:")
     assert agent.run_tool("clock", '{"city": "Paris"}') == "2026-12-03 09:30 CET"
     assert agent.run_tool("weather", "{}") == "error: no tool named 'weather'"
 

@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from asyncllm import AsyncLLM, SamplingParams
 
@@ -93,3 +97,28 @@ async def test_slack_handler_answers_in_the_thread():
         assert said[-1]["thread_ts"] == "17.1"
         assert await bot.on_mention(llm, {"text": "<@U1ABC>", "ts": "19.0"}, say, params) is None
         assert len(said) == 2
+
+
+@pytest.mark.parametrize(
+    "bot, unset, present",
+    [
+        ("discord_bot", ["DISCORD_TOKEN"], []),
+        ("slack_bot", ["SLACK_BOT_TOKEN", "SLACK_APP_TOKEN"], []),
+        ("slack_bot", ["SLACK_BOT_TOKEN"], ["SLACK_APP_TOKEN"]),
+    ],
+    ids=["discord", "slack-no-tokens", "slack-no-bot-token"],
+)
+def test_a_bot_without_its_token_says_so_in_one_line(bot, unset, present):
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    env.update({name: "a-token" for name in present})
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / f"{bot}.py")],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and out.stdout == "", out
+    (line,) = out.stderr.splitlines()  # one line, no traceback
+    assert line.startswith(f"{bot}.py: ") and "Traceback" not in out.stderr
+    assert all(name in line for name in unset) and not any(name in line for name in present)
+    # it points at the offline way to try the bot: this file, under pytest
+    assert line.endswith(" pytest tests/examples/test_bots.py")
+    assert (EXAMPLES.parent / "tests/examples/test_bots.py").resolve() == Path(__file__).resolve()
