@@ -91,7 +91,7 @@ class EngineReady(msgspec.Struct, kw_only=True):
 
 class DeadKind(enum.StrEnum):
     STARTUP_FAILED = "startup_failed"  # the core never became ready
-    STOPPED = "stopped"  # SIGTERM/SIGINT
+    STOPPED = "stopped"  # SIGTERM (a terminal's SIGINT is the host's)
     CRASHED = "crashed"  # an exception in the core's loop
 
 

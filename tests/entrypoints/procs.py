@@ -27,3 +27,18 @@ def children(pid: int, module: str | None = None) -> list[int]:
         if int(fields[1]) == pid and (module is None or running(child, module)):
             out.append(child)
     return out
+
+
+def gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie has: it waits only to be reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"
+
+
+def socket_dir(core_pid: int) -> Path:
+    """The private socket folder of an engine core (from its `--input ipc://DIR/in`)."""
+    args = Path(f"/proc/{core_pid}/cmdline").read_bytes().decode().split("\0")
+    return Path(args[args.index("--input") + 1].removeprefix("ipc://")).parent

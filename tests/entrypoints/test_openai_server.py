@@ -92,25 +92,28 @@ def stream_lines(
 
 
 class Server:
-    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *flags: str, env: dict[str, str] | None = None, new_session: bool = False
+    ) -> None:
         cmd = [sys.executable, "-m", "asyncllm.cli.main", "serve", "--port", "0", *ENGINE, *flags]
         self.proc = subprocess.Popen(
             cmd,
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, **(env or {})},
+            start_new_session=new_session,  # (its own process group, as a terminal's)
         )
         assert self.proc.stderr is not None
         for line in self.proc.stderr:  # until the server says where it listens
-            m = re.search(r"serving '.*' on (http://\S+)", line)
+            m = re.search(r"serving '.*' on (https?://\S+)", line)
             if m:
                 self.url = m.group(1)
                 break
         else:
             raise RuntimeError(f"the server exited ({self.proc.wait()}) before serving")
 
-    def client(self, api_key: str = "none") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
+    def client(self, api_key: str = "none", **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, **kwargs)
 
     def metrics(self) -> dict[str, float]:
         text = get(self.url + "/metrics").text
@@ -136,11 +139,15 @@ class Server:
         return children(self.proc.pid)
 
     def stop(self) -> int:
+        """Its exit code, after SIGTERM if it still runs; what it wrote on stderr after
+        the line that said where it listens is kept in `log`."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         rc = self.proc.wait(timeout=60)
         assert self.proc.stderr is not None
-        self.proc.stderr.close()
+        if not self.proc.stderr.closed:
+            self.log = self.proc.stderr.read()
+            self.proc.stderr.close()
         return rc
 
 
@@ -378,15 +385,15 @@ def test_api_key_then_sigterm_lets_a_stream_finish():
 
 
 def test_a_stream_still_open_when_the_grace_period_ends_gets_an_error_event():
-    """SIGTERM with no grace period, mid-stream (2,000 tokens of the embedded model on
-    the CPU): the stream ends with a 503 error event and [DONE], not a cut connection,
-    and the server and its engine exit cleanly."""
+    """SIGTERM with no grace period, mid-stream (480 tokens of the embedded model on the
+    CPU): the stream ends with a 503 error event and [DONE], not a cut connection, one
+    line on stderr names it, and the server and its engine exit cleanly."""
     s = Server("--grace-period", "0")
     try:
         engine = s.engine_pids()
         conn, lines = stream_lines(
             s.url + "/v1/completions",
-            {"model": MODEL, "prompt": "Tell a long story.", "max_tokens": 2000, "stream": True}
+            {"model": MODEL, "prompt": "Tell a long story.", "max_tokens": 480, "stream": True}
             | {"ignore_eos": True},
         )
         first = next(line for line in lines if line.startswith("data: {"))
@@ -399,6 +406,11 @@ def test_a_stream_still_open_when_the_grace_period_ends_gets_an_error_event():
         assert error["type"] == "service_unavailable" and "shut down" in error["message"]
     finally:
         rc = s.stop()
+    rid = json.loads(first[6:])["id"]
+    assert [line for line in s.log.splitlines() if "cut" in line] == [
+        f"asyncllm: grace period over: stream {rid} cut (503)"
+    ]
+    assert "Traceback" not in s.log
     assert rc == 0
     assert not any(Path(f"/proc/{pid}").exists() for pid in engine)
 
@@ -627,3 +639,112 @@ def test_chat_logprob_bytes_rebuild_a_character_split_over_tokens(smollm_tokeniz
     content = R.chat_logprobs(smollm_tokenizer, c, 1)["content"]
     assert bytes(b for t in content for b in t["bytes"]) == text.encode()
     assert [t["top_logprobs"][0]["bytes"] for t in content] == [t["bytes"] for t in content]
+
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def test_version_a_model_by_id_and_the_api_description(server):
+    from importlib.metadata import version
+
+    from asyncllm import AsyncLLM
+    from asyncllm.entrypoints.openai.app import build_app
+
+    assert get(server.url + "/version").json() == {"version": version("asyncllm")}
+    client = server.client()
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4")
+    assert missing.value.body["param"] == "model"
+    # every route of the app (but the description's own two) is described, each body's
+    # schema is there
+    doc = get(server.url + "/openapi.json").json()
+    routes = {
+        (r.path.replace(":path", ""), m.lower())
+        for r in build_app(AsyncLLM()).routes
+        for m in r.methods - {"HEAD"}
+        if r.path not in ("/openapi.json", "/docs")
+    }
+    assert {(p, m) for p, ops in doc["paths"].items() for m in ops} == routes
+    schemas = doc["components"]["schemas"]
+    for ops in doc["paths"].values():
+        for op in ops.values():
+            if "requestBody" in op:
+                ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+                assert ref.rsplit("/", 1)[1] in schemas
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert {"messages", "top_logprobs", "max_completion_tokens", "add_generation_prompt"} <= set(
+        chat
+    )
+    assert "servers" not in doc  # (no root path here)
+    page = get(server.url + "/docs")
+    assert page.headers["content-type"].startswith("text/html")
+    assert "swagger-ui" in page.text and '"/openapi.json"' in page.text
+
+
+def test_tokenize_and_detokenize_as_generation_sees_the_prompt(server):
+    client = server.client()
+    url = server.url
+    text = post(url + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True})
+    got = text.json()
+    assert got["count"] == len(got["tokens"]) and got["max_model_len"] == 512
+    assert len(got["token_strs"]) == got["count"] and got["token_strs"][0] == "Hello"
+    done = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=1)
+    assert done.usage.prompt_tokens == got["count"]
+    chat = post(url + "/tokenize", json={"model": MODEL, "messages": HI}).json()
+    assert chat["token_strs"] is None
+    answer = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=1)
+    assert answer.usage.prompt_tokens == chat["count"]
+    rendered = post(url + "/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+    assert rendered.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    bare = post(url + "/tokenize", json={"messages": HI, "add_generation_prompt": False})
+    assert bare.json()["count"] < chat["count"]
+    # (SmolLM2's tokenizer adds no special tokens of its own: the same ids)
+    both = post(url + "/tokenize", json={"messages": HI, "add_special_tokens": True})
+    assert both.json()["tokens"] == chat["tokens"]
+    assert _error(post(url + "/detokenize", json={"tokens": [1 << 40]}), 400)["param"] == "tokens"
+    assert _error(post(url + "/tokenize", json={"prompt": 5}), 400)["param"] == "prompt"
+    # the host asked the tokenizer process: it never built a tokenizer of its own
+    maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+    assert "tokenizers" not in maps and "libtorch" not in maps
+
+
+def test_max_tokens_past_the_context_is_vllms_400(server):
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.chat.completions.create(model=MODEL, messages=HI, max_completion_tokens=600)
+    assert too_many.value.body["param"] == "max_completion_tokens"
+    assert too_many.value.body["message"] == (
+        "max_completion_tokens=600 cannot be greater than max_model_len=512. "
+        "Please request fewer output tokens."
+    )
+    n = post(server.url + "/tokenize", json={"prompt": "Hi"}).json()["count"]
+    # the most that fits is taken (its first chunk read, then the client leaves)
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 512 - n, "stream": True}
+    conn, lines = stream_lines(server.url + "/v1/completions", body)
+    assert next(lines).startswith("data: {")
+    conn.close()
+    with pytest.raises(openai.BadRequestError) as past:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=513 - n)
+    assert past.value.body["param"] == "input_tokens"
+    assert past.value.body["message"] == (
+        f"This model's maximum context length is 512 tokens. However, you requested "
+        f"{513 - n} output tokens and your prompt contains {n} input tokens, for a total of "
+        "513 tokens. Please reduce the length of the input prompt or the number of requested "
+        "output tokens."
+    )
+
+
+def test_an_engine_refusal_names_the_request_field_that_set_it(server):
+    url = server.url
+    chat = {"model": MODEL, "messages": HI, "max_tokens": 2}
+    err = _error(post(url + "/v1/chat/completions", json={**chat, "logprobs": True,
+                                                          "top_logprobs": 50}), 400)  # fmt: skip
+    assert err["param"] == "top_logprobs" and err["message"].startswith("top_logprobs is 50")
+    err = _error(post(url + "/v1/completions", json={"prompt": "x", "logprobs": 50}), 400)
+    assert err["param"] == "logprobs" and err["message"].startswith("logprobs is 50")
+    long_chat = {**chat, "messages": [{"role": "user", "content": "hello " * 600}]}
+    err = _error(post(url + "/v1/chat/completions", json=long_chat), 400)
+    assert err["param"] == "messages" and "max_model_len=512" in err["message"]
+    own = {**chat, "chat_template": "{{ messages }}"}
+    assert _error(post(url + "/v1/chat/completions", json=own), 400)["param"] == "chat_template"

@@ -109,7 +109,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return out
     from asyncllm.bench.common import add_engine_args, engine_kwargs, format_table, report
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m asyncllm.bench.startup",
+        description=__doc__.split("\n\n")[0],
+    )
     add_engine_args(parser)
     parser.add_argument("--cold", action="store_true", help="also a first start, empty cache")
     args = parser.parse_args(argv)

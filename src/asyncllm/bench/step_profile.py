@@ -274,7 +274,10 @@ def profile_batch(
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m asyncllm.bench.step_profile",
+        description=__doc__.split("\n\n")[0],
+    )
     add_engine_args(parser)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 256])
     parser.add_argument("--input-len", type=int, default=128)

@@ -58,7 +58,12 @@ def add_dataclass_flags(
         flag = "--" + f.name.replace("_", "-")
         doc = docs.get(f.name, "")
         kind, is_list = _flag_type(str(f.type))
-        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None
         if kind is bool:
             parser.add_argument(
                 flag,

@@ -2,7 +2,8 @@
 
 The history is kept across turns; `/reset` clears it, `/exit` (or end of input) leaves.
 Ctrl-C during an answer stops that answer (its request is aborted in the engine) and
-the chat goes on; Ctrl-C at the prompt leaves.
+the chat goes on; Ctrl-C at the prompt leaves. (The engine's processes ignore a
+terminal's Ctrl-C: `engine.host_launcher.start_child`.)
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ async def run_chat(args: EngineArgs, params: Any, system: str | None, quiet: boo
     if not quiet:
         print("asyncllm: starting the engine ...", file=sys.stderr, flush=True)
     loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
     lines: asyncio.Queue[str | None] = asyncio.Queue()
     answering: asyncio.Task[str] | None = None
 
@@ -83,8 +86,8 @@ async def run_chat(args: EngineArgs, params: Any, system: str | None, quiet: boo
                 try:
                     text = await answering
                 except asyncio.CancelledError:
-                    if not answering.cancelled():
-                        raise  # (the chat itself is being cancelled)
+                    if task.cancelling():
+                        raise  # (the chat itself is being cancelled: SIGTERM, SIGHUP)
                     print("\n(interrupted)", flush=True)
                     history.pop()  # the question had no answer
                     continue

@@ -11,7 +11,8 @@ Threads: one decodes input frames into a queue (a malformed frame is logged and 
 one for a request or a utility call whose id can still be read ends that request or call
 with an error), one encodes and sends outputs, and the main thread steps the core while
 work exists and blocks on the queue when idle. The process exits when its parent dies (its
-stdin, a pipe from the parent, reaches EOF) and on SIGTERM/SIGINT; an exception in the
+stdin, a pipe from the parent, reaches EOF) and on SIGTERM; a terminal's SIGINT and SIGHUP
+are the host's and ignored here (see `host_launcher.start_child`). An exception in the
 loop or in either I/O thread is sent to the client as DEAD before the process exits, so
 the core never lives on half dead. On the way out the I/O threads are stopped and joined
 before their sockets close, and the private folder holding the sockets is removed.
@@ -37,7 +38,7 @@ from asyncllm.config import EngineArgs
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.core_config import create_engine_config, resolved_config
 from asyncllm.engine.heap import freeze_startup_objects, trim_heap, unfreeze_objects
-from asyncllm.engine.host_launcher import remove_private_ipc_dir
+from asyncllm.engine.host_launcher import ignore_terminal_signals, remove_private_ipc_dir
 from asyncllm.engine.serial import Decoder, Encoder
 from asyncllm.messages import (
     TO_CORE,
@@ -72,7 +73,7 @@ def _watch_parent(proc: EngineCoreProc) -> None:
 
 
 class _Stop(Exception):
-    """SIGTERM or SIGINT arrived: leave the busy loop and exit in order."""
+    """SIGTERM arrived: leave the busy loop and exit in order."""
 
 
 class _Reported(Exception):
@@ -135,6 +136,9 @@ class EngineCoreProc:
         self._serving = False  # the I/O threads run: stop requests go through the queue
         self._output_failed = False
         self._closed = False
+        # A failed start is being reported: the host, told, sends SIGTERM, which must not
+        # interrupt the way out (report_death, shutdown) of the thread it would run in.
+        self._start_failed = False
 
     # -- life cycle --------------------------------------------------------------------
 
@@ -162,6 +166,7 @@ class EngineCoreProc:
         except _Stop:
             raise
         except BaseException as e:  # noqa: BLE001 (every failure goes to the client)
+            self._start_failed = True
             self.report_death(
                 DeadKind.STARTUP_FAILED,
                 f"engine core failed to start: {type(e).__name__}: {e}",
@@ -208,13 +213,15 @@ class EngineCoreProc:
     def on_signal(self, signum: int, frame: Any) -> None:
         # Once: a second signal must not interrupt the orderly exit of the first.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.request_stop(signal.Signals(signum).name)
 
     def request_stop(self, reason: str) -> None:
         """Leaves the busy loop in order; from any thread, or from a signal handler, which
         runs in the thread that runs the core: there, before the I/O threads exist (while
-        the model loads), it interrupts what that thread does."""
+        the model loads), it interrupts what that thread does (unless a failed start is
+        on its way out already)."""
+        if self._start_failed:
+            return
         if not self._serving and threading.current_thread() is self._runner:
             raise _Stop(reason)
         self.in_q.put(_Control(reason, failed=False))
@@ -388,6 +395,7 @@ class EngineCoreProc:
 
 
 def main(argv: list[str] | None = None) -> None:
+    ignore_terminal_signals()
     parser = argparse.ArgumentParser(description="asyncllm engine core process")
     parser.add_argument("--input", required=True)
     parser.add_argument("--output", required=True)
@@ -400,7 +408,6 @@ def main(argv: list[str] | None = None) -> None:
     proc = EngineCoreProc(args.input, args.output)
     threading.Thread(target=_watch_parent, args=(proc,), daemon=True, name="parent-watch").start()
     signal.signal(signal.SIGTERM, proc.on_signal)
-    signal.signal(signal.SIGINT, proc.on_signal)
     code = 1
     try:
         code = proc.run()

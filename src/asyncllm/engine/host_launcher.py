@@ -1,11 +1,14 @@
 """The host's side of the process boundary: starting and owning an engine-core process
-(which runs `engine.core_main`)."""
+(which runs `engine.core_main`), starting child processes out of a terminal's reach, and
+the private folder that holds the core's sockets."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -33,16 +36,92 @@ def startup_message(args: EngineArgs) -> EngineStartup:
     return EngineStartup(engine_args=out)
 
 
-IPC_PREFIX = "allm-"  # the private socket folder's name starts so
+# A terminal's Ctrl-C (SIGINT) and hang-up (SIGHUP) go to every process of its foreground
+# process group, children included; they are the host's to act on. A child started by
+# `start_child` has them blocked from its first instruction on (the mask survives exec,
+# and so covers the imports before its main()), calls `ignore_terminal_signals` in its
+# main(), and follows the host through its stdin's EOF. What it starts inherits the mask.
+TERMINAL_SIGNALS = frozenset({signal.SIGINT, signal.SIGHUP})
+
+
+def start_child(cmd: list[str], **popen_kwargs: Any) -> subprocess.Popen:
+    """`subprocess.Popen(cmd, ...)` with TERMINAL_SIGNALS blocked in the child. Only the
+    calling thread's signal mask changes, and only during the call: thread-safe, with no
+    `preexec_fn` (unsafe where threads run)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINAL_SIGNALS)
+    try:
+        return subprocess.Popen(cmd, **popen_kwargs)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def ignore_terminal_signals() -> None:
+    """In a child's main(): TERMINAL_SIGNALS ignored for good (one that arrived while
+    blocked is discarded), even if a library later unblocks them."""
+    for sig in TERMINAL_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+IPC_PREFIX = "allm-"  # the private socket folder's name: allm-<the host's pid>-<random>
 IPC_SOCKETS = ("in", "out")  # and it holds these two sockets, nothing else
+_IPC_DIR_NAME = re.compile(re.escape(IPC_PREFIX) + r"(\d+)-\w+")
 
 
 def _private_ipc_dir() -> str:
-    """A 0700 folder with a short path (unix socket paths are limited to 107 bytes)."""
+    """A 0700 folder with a short path (unix socket paths are limited to 107 bytes),
+    named after this process; stale ones of dead hosts are removed first."""
     base = tempfile.gettempdir()
     if len(base) > 60:
         base = "/tmp"
-    return tempfile.mkdtemp(prefix=IPC_PREFIX, dir=base)
+    remove_stale_ipc_dirs(base)
+    return tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-", dir=base)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process `pid` exists (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # (not ours; not a pid: keep its folder)
+        return True
+    return True
+
+
+def remove_stale_ipc_dirs(base: str) -> None:
+    """Removes the socket folders in `base` whose host is dead (killed before anything
+    could clean up): `allm-<pid>-…` with no process `pid`, that pass `_remove_ipc_dir`'s
+    checks. A live host's folder, another user's, or one holding anything but our two
+    sockets is kept."""
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    for name in names:
+        m = _IPC_DIR_NAME.fullmatch(name)
+        if m and not _alive(int(m.group(1))):
+            _remove_ipc_dir(Path(base, name))
+
+
+def _remove_ipc_dir(folder: Path) -> bool:
+    """Removes `folder` if it is a real folder of this user holding nothing but our
+    sockets (named as IPC_SOCKETS). True if it is gone (already, or now)."""
+    try:
+        st = folder.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return False
+        entries = os.listdir(folder)
+        if not set(entries) <= set(IPC_SOCKETS):
+            return False
+        for name in entries:
+            if not stat.S_ISSOCK((folder / name).lstat().st_mode):
+                return False
+        for name in entries:
+            (folder / name).unlink(missing_ok=True)
+        folder.rmdir()
+    except FileNotFoundError:  # removed meanwhile (by the host, or by its core)
+        pass
+    return not os.path.lexists(folder)
 
 
 def remove_private_ipc_dir(input_addr: str, output_addr: str) -> bool:
@@ -62,22 +141,7 @@ def remove_private_ipc_dir(input_addr: str, output_addr: str) -> bool:
     folder = paths[0].parent
     if paths[1].parent != folder or not folder.name.startswith(IPC_PREFIX):
         return False
-    try:
-        st = folder.lstat()
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-            return False
-        entries = os.listdir(folder)
-        if not set(entries) <= set(IPC_SOCKETS):
-            return False
-        for name in entries:
-            if not stat.S_ISSOCK((folder / name).lstat().st_mode):
-                return False
-        for name in entries:
-            (folder / name).unlink(missing_ok=True)
-        folder.rmdir()
-    except FileNotFoundError:  # the host removed it meanwhile
-        pass
-    return not os.path.lexists(folder)
+    return _remove_ipc_dir(folder)
 
 
 # The core's oneDNN caches, unless the variables are set. Both keep an entry per input
@@ -111,7 +175,7 @@ class CoreProcess:
     def start(self) -> None:
         # stdin is a pipe whose write end only we hold: when this process dies, the
         # child reads EOF and exits (unlike PR_SET_PDEATHSIG, which follows a thread).
-        self.proc = subprocess.Popen(
+        self.proc = start_child(
             [
                 sys.executable,
                 "-m",

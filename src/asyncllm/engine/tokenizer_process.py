@@ -7,8 +7,9 @@ every other task of the host's loop however it is threaded. So AsyncLLM starts t
 process next to the engine core: it loads the tokenizer, sends back what the host needs
 to turn tokens into text (each token's bytes, for a byte-level BPE tokenizer) and then
 encodes text and renders chat templates on request. The host's side,
-`ProcessTokenizer`, offers the few tokenizer calls the frontend makes (`__call__`,
-`apply_chat_template`, `decode`, `eos_token_id`, `chat_template`); its blocking calls run
+`ProcessTokenizer`, offers the few tokenizer calls the host makes (`__call__`,
+`apply_chat_template`, `convert_ids_to_tokens`, `decode`, `eos_token_id`,
+`chat_template`); its blocking calls run
 in AsyncLLM's setup thread, which waits on the pipe without the GIL.
 
 A tokenizer that is not byte-level BPE cannot be decoded from a table: then the host
@@ -24,7 +25,6 @@ so stray prints cannot corrupt the stream) carries `["ok", result]` or
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -34,6 +34,7 @@ from typing import IO, Any
 import msgspec
 
 from asyncllm import envs
+from asyncllm.engine.host_launcher import ignore_terminal_signals, start_child
 
 _HEADER = 4
 
@@ -103,6 +104,9 @@ def _serve(tokenizer: Any, inp: IO[bytes], out: IO[bytes]) -> None:
             elif method == "chat":
                 conversation, kwargs = args
                 result = _chat_result(tokenizer.apply_chat_template(conversation, **kwargs))
+            elif method == "tokens":
+                (ids,) = args
+                result = [str(t) for t in tokenizer.convert_ids_to_tokens(ids)]
             else:
                 raise ValueError(f"unknown tokenizer call {method!r}")
             answer = msgspec.msgpack.encode(["ok", result])
@@ -127,7 +131,7 @@ def _hello(tokenizer: Any) -> dict[str, Any]:
 
 
 def main() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a terminal's Ctrl-C is the host's)
+    ignore_terminal_signals()  # (a terminal's Ctrl-C and hang-up are the host's)
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # prints from libraries go to stderr, not into the frame stream
     inp = sys.stdin.buffer
@@ -177,7 +181,7 @@ class ProcessTokenizer:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.proc = subprocess.Popen(
+        self.proc = start_child(
             [sys.executable, "-m", "asyncllm.engine.tokenizer_process"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -245,7 +249,7 @@ class ProcessTokenizer:
             _raise(answer[1], answer[2])
         return answer[1]
 
-    # -- the tokenizer calls the frontend makes ------------------------------------------
+    # -- the tokenizer calls the host makes ----------------------------------------------
 
     def __call__(
         self, texts: str | list[str], add_special_tokens: bool = True, **kwargs: Any
@@ -260,6 +264,11 @@ class ProcessTokenizer:
 
     def apply_chat_template(self, conversation: list[Any], **kwargs: Any) -> Any:
         return self._call(["chat", [conversation, kwargs]])
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        """Each id's entry in the vocabulary (the server's /tokenize `token_strs`)."""
+        tokens: list[str] = self._call(["tokens", [list(ids)]])
+        return tokens
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False, **kwargs: Any) -> str:
         """The text of `ids`; with any other argument, the local tokenizer's decode."""

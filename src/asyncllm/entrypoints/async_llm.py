@@ -36,7 +36,7 @@ from asyncllm.frontend.chat import Messages
 from asyncllm.frontend.chat_tools import tool_names, tools_and_constraint, with_tool_choice
 from asyncllm.frontend.collector import RequestOutputCollector
 from asyncllm.frontend.frontend import Frontend
-from asyncllm.frontend.input_processor import PromptType
+from asyncllm.frontend.input_processor import PromptType, check_token_ids
 from asyncllm.frontend.tool_calls import parse_tool_calls
 from asyncllm.messages import EngineCoreOutputs, ResolvedConfig, SchedulerStats
 from asyncllm.outputs import RequestOutput
@@ -323,15 +323,64 @@ class AsyncLLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        add_special_tokens: bool = False,
     ) -> dict[str, Any]:
         """The prompt (`{"prompt_token_ids": [...]}`) of one conversation through the
-        tokenizer's chat template, rendered in the setup thread."""
+        tokenizer's chat template, rendered in the setup thread (`add_special_tokens`:
+        the tokenizer's own, a BOS, on top of the template's)."""
         frontend, _ = self._check_usable()
         assert self._setup is not None  # (_check_usable passed)
         prompt: dict[str, Any] = await self._setup.run(
-            frontend.chat_prompt, messages, add_generation_prompt, chat_template_kwargs, tools
+            frontend.chat_prompt,
+            messages,
+            add_generation_prompt,
+            chat_template_kwargs,
+            tools,
+            add_special_tokens,
         )
         return prompt
+
+    async def prompt_token_ids(self, prompt: PromptType) -> list[int]:
+        """The token ids `generate` sends for `prompt`, checked as it checks them
+        (ValueError/TypeError naming the problem: a prompt longer than max_model_len, an
+        id outside the vocabulary); text is tokenized with the prompts arriving with it.
+        Generating from `{"prompt_token_ids": ids}` then tokenizes nothing again."""
+        frontend, _ = self._check_usable()
+        if not _is_text(prompt):
+            return frontend.tokenize_prompt(prompt)[1]
+        assert self._setup is not None  # (_check_usable passed)
+        return (await self._setup.tokenize(prompt))[1]
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The tokenizer's ids for `text` (in its process, off the loop), whatever their
+        number: unlike a prompt's, they are not checked against the model."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        tokenizer = self._tokenizer_or_refuse()
+        assert self._setup is not None  # (_check_usable passed)
+        encoding = await self._setup.run(tokenizer, text, add_special_tokens)
+        return list(encoding.input_ids)
+
+    async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of `token_ids` (each in the model's vocabulary, else ValueError)."""
+        tokenizer = self._tokenizer_or_refuse()
+        ids = check_token_ids(token_ids, self.config.vocab_size if self.config else None)
+        return str(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    async def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
+        """Each id's entry in the tokenizer's vocabulary (as `tokenizer.convert_ids_to_tokens`),
+        from the tokenizer process."""
+        tokenizer = self._tokenizer_or_refuse()
+        ids = check_token_ids(token_ids, self.config.vocab_size if self.config else None)
+        assert self._setup is not None  # (_check_usable passed)
+        tokens: list[str] = await self._setup.run(tokenizer.convert_ids_to_tokens, ids)
+        return tokens
+
+    def _tokenizer_or_refuse(self) -> Any:
+        frontend, _ = self._check_usable()
+        if frontend.tokenizer is None:
+            raise ValueError("this needs the tokenizer (skip_tokenizer_init is set)")
+        return frontend.tokenizer
 
     def _abort_now(self, request_id: str) -> None:
         """Forgets the request here and tells the core; never blocks, never raises."""

@@ -59,9 +59,12 @@ def render_chat(
     add_generation_prompt: bool = True,
     chat_template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    add_special_tokens: bool = False,
 ) -> dict[str, Any]:
     """The prompt (as {'prompt_token_ids': [...]}) for one conversation, with `tools`
-    (checked) in the template's own way or, where it ignores them, the Hermes style."""
+    (checked) in the template's own way or, where it ignores them, the Hermes style.
+    `add_special_tokens`: the tokenizer's own (a BOS) on top of the template's, as
+    vLLM's option of that name."""
     if tokenizer is None:
         raise ValueError("chat needs the tokenizer (skip_tokenizer_init is set)")
     check_conversation(messages)
@@ -74,11 +77,13 @@ def render_chat(
         ids = tokenizer.apply_chat_template(
             tool_turns_for_template(list(messages)),
             add_generation_prompt=add_generation_prompt,
-            tokenize=True,
+            tokenize=not add_special_tokens,  # (else the text, tokenized below)
             **(chat_template_kwargs or {}),
         )
     except TemplateError as e:  # the template refused this conversation
         raise ValueError(f"the chat template cannot render these messages: {e}") from None
-    if not isinstance(ids, list):
+    if isinstance(ids, str):
+        ids = tokenizer(ids, add_special_tokens=True).input_ids
+    elif not isinstance(ids, list):
         ids = ids["input_ids"]
     return {"prompt_token_ids": list(ids)}

@@ -101,9 +101,15 @@ class Frontend:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        add_special_tokens: bool = False,
     ) -> dict[str, Any]:
         return render_chat(
-            self.tokenizer, messages, add_generation_prompt, chat_template_kwargs, tools
+            self.tokenizer,
+            messages,
+            add_generation_prompt,
+            chat_template_kwargs,
+            tools,
+            add_special_tokens,
         )
 
     def add_request(

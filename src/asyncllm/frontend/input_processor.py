@@ -16,6 +16,17 @@ from asyncllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 PromptType = str | list[int] | dict[str, Any]
 
 
+def check_token_ids(ids: Any, vocab_size: int | None) -> list[int]:
+    """`ids` as a list of token ids in [0, vocab_size): TypeError or ValueError naming
+    the first that is not (any number of them, none included)."""
+    if not isinstance(ids, list | tuple) or not all(type(t) is int for t in ids):
+        raise TypeError("token ids must be a list of int")
+    bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return list(ids)
+
+
 def vocab_max_token_bytes(vocab: dict[str, int]) -> int:
     """The longest entry of a vocabulary, in UTF-8 bytes (at least 1)."""
     return max((len(t.encode("utf-8")) for t in vocab), default=1)

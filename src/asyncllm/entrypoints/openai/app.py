@@ -1,15 +1,19 @@
 """The OpenAI-compatible HTTP API over one AsyncLLM, as an ASGI app (Starlette).
 
-`build_app(llm)` serves `/v1/chat/completions`, `/v1/completions`, `/v1/models`,
-`/health` and `/metrics` from an AsyncLLM that the caller owns (starts and shuts down),
-so an application can mount it next to its own routes and share the engine.
-`asyncllm serve` (server.py) runs it on uvicorn with the engine's life cycle.
+`build_app(llm)` serves `/v1/chat/completions`, `/v1/completions`, `/v1/models` (and
+`/v1/models/{id}`), vLLM's `/tokenize`, `/detokenize` and `/version`, `/health`,
+`/metrics`, and the API's description (`/openapi.json`, `/docs`) from an AsyncLLM that
+the caller owns (starts and shuts down), so an application can mount it next to its own
+routes and share the engine. `asyncllm serve` (server.py) runs it on uvicorn with the
+engine's life cycle.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
+import importlib.metadata
 import json
 import logging
 import time
@@ -21,22 +25,29 @@ from typing import Any, TypeVar
 import anyio
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from asyncllm.entrypoints.async_llm import AsyncLLM
 from asyncllm.entrypoints.openai import responses as R
 from asyncllm.entrypoints.openai.metrics import render_metrics
+from asyncllm.entrypoints.openai.openapi import docs_page, openapi_document
 from asyncllm.entrypoints.openai.protocol import (
+    ChatRender,
     OpenAIError,
     Options,
     chat_messages,
+    chat_render,
     chat_tools,
+    check_context,
     completion_prompts,
+    detokenize_tokens,
+    field_error,
     sampling_params,
+    tokenize_request,
 )
 from asyncllm.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
-from asyncllm.frontend.chat_tools import with_tool_choice
+from asyncllm.frontend.chat_tools import Tools, with_tool_choice
 from asyncllm.frontend.tool_calls import ToolCallStream, parse_tool_calls
 from asyncllm.outputs import RequestOutput, ToolCall
 from asyncllm.sampling_params import SamplingParams
@@ -53,18 +64,25 @@ class ClientGone(Exception):
 
 class OpenAIServer:
     def __init__(
-        self, llm: AsyncLLM, model_name: str, api_key: str | None, max_body_bytes: int
+        self,
+        llm: AsyncLLM,
+        model_name: str,
+        api_key: str | None,
+        max_body_bytes: int,
+        chat_template: str | None,
     ) -> None:
         self.llm = llm
         self.model_name = model_name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.chat_template = chat_template
         self.http_requests: Counter[tuple[str, int]] = Counter()
         self.finished: Counter[str] = Counter()
+        self.open: dict[str, str] = {}  # response id -> "stream" or "request", while generating
 
     # -- plumbing ----------------------------------------------------------------------
 
-    def route(self, fn: Handler, v1: bool = True) -> Handler:
+    def route(self, path: str, fn: Handler, method: str, v1: bool = False) -> Route:
         """Every route: 503 once the engine is dead, the API key on /v1, errors as
         OpenAI error bodies, and the count of answers by route and status."""
 
@@ -90,10 +108,10 @@ class OpenAIServer:
                 response = _error_response(
                     OpenAIError(f"internal error: {type(e).__name__}", 500, "internal_error")
                 )
-            self.http_requests[(request.url.path, response.status_code)] += 1
+            self.http_requests[(path, response.status_code)] += 1
             return response
 
-        return handle
+        return Route(path, handle, methods=[method])
 
     def _check_key(self, request: Request) -> None:
         header = request.headers.get("authorization", "")
@@ -114,13 +132,16 @@ class OpenAIServer:
             raise OpenAIError("the request body must be a JSON object")
         model = body.get("model")
         if model is not None and model != self.model_name:
-            raise OpenAIError(
-                f"the model {model!r} does not exist (this server has {self.model_name!r})",
-                404,
-                param="model",
-                code="model_not_found",
-            )
+            raise self._no_model(model)
         return body
+
+    def _no_model(self, model: Any) -> OpenAIError:
+        return OpenAIError(
+            f"the model {model!r} does not exist (this server has {self.model_name!r})",
+            404,
+            param="model",
+            code="model_not_found",
+        )
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, up to `max_body_bytes` (413 past it, before more is read)."""
@@ -175,16 +196,67 @@ class OpenAIServer:
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
 
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": _version()})
+
     async def models(self, request: Request) -> Response:
-        max_len = self.llm.config.max_model_len if self.llm.config else None
-        card = {
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id != self.model_name:
+            raise self._no_model(model_id)
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
             "id": self.model_name,
             "object": "model",
             "created": int(time.time()),
             "owned_by": "asyncllm",
-            "max_model_len": max_len,
+            "max_model_len": self._max_model_len(),
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    def _max_model_len(self) -> int:
+        assert self.llm.config is not None  # (`route` answers 503 unless it runs)
+        return self.llm.config.max_model_len
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi_document(_version(), request.scope.get("root_path", "")))
+
+    async def docs(self, request: Request) -> Response:
+        root = request.scope.get("root_path", "")
+        return HTMLResponse(docs_page(f"{root}/openapi.json", "asyncllm"))
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._body(request)
+        job = tokenize_request(body, self.chat_template)
+        if job.messages is not None and job.render is not None:
+            tools, _ = chat_tools(body, Options(stream=False, include_usage=False, logprobs=None))
+            ids = await self._render(job.messages, job.render, tools)
+        else:
+            assert job.prompt is not None
+            try:
+                ids = await self.llm.tokenize(job.prompt, job.add_special_tokens)
+            except (ValueError, TypeError) as e:
+                raise OpenAIError(str(e), param="prompt") from None
+        strs = await self.llm.convert_ids_to_tokens(ids) if job.return_token_strs else None
+        return JSONResponse(
+            {
+                "count": len(ids),
+                "max_model_len": self._max_model_len(),
+                "tokens": ids,
+                "token_strs": strs,
+            }
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        tokens = detokenize_tokens(await self._body(request))
+        try:
+            text = await self.llm.detokenize(tokens)
+        except (ValueError, TypeError) as e:
+            raise OpenAIError(str(e), param="tokens") from None
+        return JSONResponse({"prompt": text})
 
     async def metrics(self, request: Request) -> Response:
         stats = await self.llm.get_stats()
@@ -206,12 +278,25 @@ class OpenAIServer:
         except ValueError as e:
             raise OpenAIError(str(e), param="tool_choice") from None
         messages = chat_messages(body)
-        kwargs = body.get("chat_template_kwargs")
+        ids = await self._render(messages, chat_render(body, self.chat_template), tools)
+        return await self._serve(request, [ids], params, opts, chat=True, prefix="chatcmpl")
+
+    async def _render(
+        self, messages: list[dict[str, Any]], render: ChatRender, tools: Tools | None
+    ) -> list[int]:
+        """The token ids of a conversation through the chat template."""
         try:
-            prompt = await self.llm.render_chat(messages, chat_template_kwargs=kwargs, tools=tools)
+            prompt = await self.llm.render_chat(
+                messages,
+                render.add_generation_prompt,
+                render.template_kwargs,
+                tools,
+                render.add_special_tokens,
+            )
         except (ValueError, TypeError) as e:
             raise OpenAIError(str(e), param="messages") from None
-        return await self._serve(request, [prompt], params, opts, chat=True, prefix="chatcmpl")
+        ids: list[int] = prompt["prompt_token_ids"]
+        return ids
 
     # -- generation --------------------------------------------------------------------
 
@@ -224,17 +309,37 @@ class OpenAIServer:
         chat: bool,
         prefix: str,
     ) -> Response:
-        """Generates for `prompts`; a client that leaves before the answer (or, streamed,
-        before its first chunk) aborts its requests (the stream's own end does so later)."""
+        """Generates for `prompts` (each refused with vLLM's 400 unless it and max_tokens
+        fit the context); a client that leaves before the answer (or, streamed, before
+        its first chunk) aborts its requests (the stream's own end does so later)."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
-        streams = [self.llm.generate(p, params) for p in prompts]
+        ids = await self._prompt_ids(prompts, params, opts)
+        streams = [self.llm.generate({"prompt_token_ids": i}, params) for i in ids]
         # (errors here are still 400/503s)
-        firsts = await self._unless_gone(request, _first_outputs(streams), streams)
+        firsts = await self._unless_gone(request, _first_outputs(streams, opts.fields), streams)
         if opts.stream:
             chunks = self._chunks(rid, streams, firsts, params.n, opts, chat)
             return StreamingResponse(_sse(chunks), media_type="text/event-stream")
-        finals = await self._unless_gone(request, _finals(firsts, streams), streams)
+        self.open[rid] = "request"
+        try:
+            finals = await self._unless_gone(request, _finals(firsts, streams), streams)
+        finally:
+            del self.open[rid]
         return JSONResponse(self._response(rid, finals, params.n, opts, chat))
+
+    async def _prompt_ids(
+        self, prompts: list[Any], params: SamplingParams, opts: Options
+    ) -> list[list[int]]:
+        """Each prompt's token ids, as generate checks them, and checked to fit the
+        context with max_tokens."""
+        try:
+            ids = await asyncio.gather(*[self.llm.prompt_token_ids(p) for p in prompts])
+        except Exception as e:
+            raise _engine_error(e, opts.fields) from None
+        max_len = self._max_model_len()
+        for one in ids:
+            check_context(len(one), params.max_tokens, max_len, opts.fields["max_tokens"])
+        return ids
 
     def _response(
         self, rid: str, finals: list[RequestOutput], n: int, opts: Options, chat: bool
@@ -280,6 +385,22 @@ class OpenAIServer:
         }
 
     async def _chunks(
+        self,
+        rid: str,
+        streams: list[AsyncGenerator[RequestOutput, None]],
+        firsts: list[RequestOutput],
+        n: int,
+        opts: Options,
+        chat: bool,
+    ) -> AsyncIterator[dict[str, Any]]:
+        self.open[rid] = "stream"
+        try:
+            async for chunk in self._stream_chunks(rid, streams, firsts, n, opts, chat):
+                yield chunk
+        finally:
+            del self.open[rid]
+
+    async def _stream_chunks(
         self,
         rid: str,
         streams: list[AsyncGenerator[RequestOutput, None]],
@@ -352,12 +473,23 @@ class OpenAIServer:
             }
 
 
+@functools.cache
+def _version() -> str:
+    """The installed package's version (as `asyncllm --version`)."""
+    try:
+        return importlib.metadata.version("asyncllm")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 # -- streams -------------------------------------------------------------------------
 
 
-def _engine_error(e: Exception) -> OpenAIError:
+def _engine_error(e: Exception, fields: dict[str, str] | None = None) -> OpenAIError:
+    """The engine's exception as the API's error (a refusal naming a SamplingParams
+    field, or the prompt, names the request's field that set it)."""
     if isinstance(e, ValueError | TypeError):
-        return OpenAIError(str(e))
+        return field_error(e, fields or {})
     if isinstance(e, EngineOverloadedError):
         return OpenAIError(str(e), 503, "service_unavailable", headers={"Retry-After": "1"})
     if isinstance(e, EngineDeadError):
@@ -367,10 +499,12 @@ def _engine_error(e: Exception) -> OpenAIError:
     raise e
 
 
-async def _first_outputs(streams: list[AsyncGenerator[RequestOutput, None]]) -> list[RequestOutput]:
+async def _first_outputs(
+    streams: list[AsyncGenerator[RequestOutput, None]], fields: dict[str, str]
+) -> list[RequestOutput]:
     """Each stream's first output, together; at the first error the others are
     cancelled, every stream is closed (its request aborted), and the error becomes an
-    OpenAIError."""
+    OpenAIError (naming the request's field, from `fields`)."""
     results: list[Any] = [None] * len(streams)
     failures: list[Exception] = []
 
@@ -390,7 +524,7 @@ async def _first_outputs(streams: list[AsyncGenerator[RequestOutput, None]]) -> 
         raise
     if failures:
         await _close(streams)
-        raise _engine_error(failures[0]) from None
+        raise _engine_error(failures[0], fields) from None
     return results
 
 
@@ -488,26 +622,36 @@ def build_app(
     model_name: str | None = None,
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    chat_template: str | None = None,
 ) -> Starlette:
     """The OpenAI-compatible API over a started AsyncLLM (the caller owns its life
     cycle). `model_name` is what /v1/models lists and requests must name (default: the
     engine's model, or "default" for the embedded one); with `api_key`, /v1 routes need
-    `Authorization: Bearer <key>`; a request body past `max_body_bytes` is a 413."""
+    `Authorization: Bearer <key>`; a request body past `max_body_bytes` is a 413;
+    `chat_template` (Jinja text) replaces the model's for chat completions and /tokenize."""
     if not isinstance(llm, AsyncLLM):
         raise TypeError(f"llm must be an AsyncLLM, got {type(llm).__name__}")
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int):
         raise TypeError("max_body_bytes must be an int")
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise TypeError(f"chat_template must be a str, got {type(chat_template).__name__}")
     name = model_name or llm.args.model or "default"
-    server = OpenAIServer(llm, name, api_key, max_body_bytes)
+    s = OpenAIServer(llm, name, api_key, max_body_bytes, chat_template)
     routes = [
-        Route("/health", server.route(server.health, v1=False), methods=["GET"]),
-        Route("/metrics", server.route(server.metrics, v1=False), methods=["GET"]),
-        Route("/v1/models", server.route(server.models), methods=["GET"]),
-        Route("/v1/completions", server.route(server.completions), methods=["POST"]),
-        Route("/v1/chat/completions", server.route(server.chat_completions), methods=["POST"]),
+        s.route("/health", s.health, "GET"),
+        s.route("/metrics", s.metrics, "GET"),
+        s.route("/version", s.version, "GET"),
+        s.route("/openapi.json", s.openapi, "GET"),
+        s.route("/docs", s.docs, "GET"),
+        s.route("/tokenize", s.tokenize, "POST"),
+        s.route("/detokenize", s.detokenize, "POST"),
+        s.route("/v1/models", s.models, "GET", v1=True),
+        s.route("/v1/models/{model_id:path}", s.model, "GET", v1=True),
+        s.route("/v1/completions", s.completions, "POST", v1=True),
+        s.route("/v1/chat/completions", s.chat_completions, "POST", v1=True),
     ]
     app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed})
-    app.state.openai_server = server
+    app.state.openai_server = s
     return app

@@ -1,14 +1,16 @@
 """OpenAI request bodies -> SamplingParams and prompts, and OpenAI-shaped errors.
 
 Bodies are plain JSON dicts, checked field by field: a field of the wrong type or out of
-range gets a 400 naming it (`param`), before anything reaches the engine. Fields the
-engine does not serve (`best_of` > 1, `echo`, `suffix`, `logit_bias` keyed by
-non-integers) are refused rather than ignored.
+range gets a 400 naming it (`param`), before anything reaches the engine; a refusal by
+the engine names the SamplingParams field it checked, and `field_error` maps that back
+to the request's field that set it. Fields the engine does not serve (`best_of` > 1,
+`echo`, `suffix`, `logit_bias` keyed by non-integers, a request's own chat template) are
+refused rather than ignored.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from asyncllm.frontend.chat_tools import Tools, tool_names, tools_and_constraint
@@ -117,6 +119,8 @@ class Options:
         frozenset()
     )  # (theirs: a plain JSON answer naming another is no call)
     parallel_tool_calls: bool = True  # (False: an answer's first call only, as vLLM)
+    # SamplingParams field (and "prompt") -> the request's field that set it
+    fields: dict[str, str] = field(default_factory=dict)
 
 
 _STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
@@ -214,6 +218,7 @@ def sampling_params(body: dict[str, Any], chat: bool) -> tuple[SamplingParams, O
             logit_bias = {int(k): float(v) for k, v in logit_bias.items()}
         except (TypeError, ValueError):
             raise _bad("logit_bias", "keys must be token ids and values numbers") from None
+    fields = request_fields(body, chat)
     try:
         params = SamplingParams(
             n=_int(body, "n", 1, low=1) or 1,
@@ -238,7 +243,7 @@ def sampling_params(body: dict[str, Any], chat: bool) -> tuple[SamplingParams, O
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
     except (ValueError, TypeError) as e:
-        raise OpenAIError(str(e), param=_named_field(str(e))) from None
+        raise field_error(e, fields) from None
     try:
         constraint = structured_outputs(body)
         if constraint is not None:
@@ -246,13 +251,133 @@ def sampling_params(body: dict[str, Any], chat: bool) -> tuple[SamplingParams, O
     except (ValueError, TypeError) as e:
         field = "structured_outputs" if "structured_outputs" in body else "response_format"
         raise OpenAIError(f"{field}: {e}", param=field) from None
-    return params, Options(stream, include_usage, logprobs)
+    return params, Options(stream, include_usage, logprobs, fields=fields)
 
 
-def _named_field(message: str) -> str | None:
-    """The field an engine error names first (`max_tokens must be ...` -> max_tokens)."""
-    word = message.split(" ", 1)[0].strip(":")
-    return word if word.isidentifier() else None
+# SamplingParams fields that the request field of the same name sets
+_SAME_NAME = (
+    "n", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+    "logit_bias", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+    "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+)  # fmt: skip
+
+
+def request_fields(body: dict[str, Any], chat: bool) -> dict[str, str]:
+    """Which request field set each SamplingParams field (and the prompt): chat's
+    `top_logprobs` sets `logprobs`, `max_completion_tokens` (or `max_tokens`) sets
+    `max_tokens`, and the prompt is chat's `messages`."""
+    fields = {name: name for name in _SAME_NAME}
+    prompt = "messages" if chat else "prompt"
+    fields.update(prompt=prompt, prompt_token_ids=prompt)
+    if chat:
+        fields["logprobs"] = "top_logprobs"
+        given = body.get("max_completion_tokens") is not None
+        fields["max_tokens"] = "max_completion_tokens" if given else "max_tokens"
+    else:
+        fields.update(logprobs="logprobs", max_tokens="max_tokens")
+    return fields
+
+
+def field_error(e: Exception, fields: dict[str, str]) -> OpenAIError:
+    """A refusal that names a SamplingParams field (or the prompt) first, as a 400 that
+    names the request's field which set it, in `param` and in the message (`logprobs is
+    50; ...` from chat's top_logprobs: `top_logprobs is 50; ...`)."""
+    message = str(e)
+    word = message.split(" ", 1)[0].rstrip(":")
+    param = fields.get(word)
+    if param is not None and param != word:
+        message = param + message[len(word) :]
+    return OpenAIError(message, param=param)
+
+
+def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, field: str) -> None:
+    """vLLM's refusals of a request that cannot fit the context (the offline API caps
+    max_tokens instead): `field` (the request's max_tokens) past max_model_len, or the
+    prompt and max_tokens together (no max_tokens: the prompt alone)."""
+    out = max_tokens or 0
+    if out > max_model_len:
+        raise OpenAIError(
+            f"{field}={out} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            param=field,
+        )
+    if prompt_len + out > max_model_len:
+        raise OpenAIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {out} output tokens and your prompt contains {prompt_len} input "
+            f"tokens, for a total of {prompt_len + out} tokens. Please reduce the length of "
+            "the input prompt or the number of requested output tokens.",
+            param="input_tokens",
+            code="context_length_exceeded",
+        )
+
+
+@dataclass
+class ChatRender:
+    """How a request's messages are rendered (vLLM's fields of the same names)."""
+
+    add_generation_prompt: bool
+    add_special_tokens: bool
+    template_kwargs: dict[str, Any]
+
+
+def chat_render(body: dict[str, Any], server_template: str | None) -> ChatRender:
+    """`add_generation_prompt` (default: true unless `continue_final_message`),
+    `continue_final_message`, `add_special_tokens` (default false) and
+    `chat_template_kwargs`, with the server's template (--chat-template) if it has one. A
+    template of the request's own is refused, as vLLM does unless told to trust it."""
+    if body.get("chat_template") is not None:
+        raise _bad("chat_template", _OWN_TEMPLATE)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise _bad("chat_template_kwargs", "must be an object")
+    kwargs = dict(kwargs or {})
+    if "chat_template" in kwargs:
+        raise _bad("chat_template_kwargs", _OWN_TEMPLATE)
+    if server_template is not None:
+        kwargs["chat_template"] = server_template
+    go_on = _bool(body, "continue_final_message", False)
+    add_generation_prompt = _bool(body, "add_generation_prompt", not go_on)
+    if go_on:
+        if add_generation_prompt:
+            raise _bad("continue_final_message", "cannot be true with add_generation_prompt true")
+        kwargs["continue_final_message"] = True
+    return ChatRender(add_generation_prompt, _bool(body, "add_special_tokens", False), kwargs)
+
+
+_OWN_TEMPLATE = "a request's own chat template is not accepted (the server's is used)"
+
+
+@dataclass
+class TokenizeRequest:
+    """POST /tokenize (vLLM's): a text `prompt` (`add_special_tokens`, default true), or
+    chat `messages` rendered as chat completions renders them (`render`)."""
+
+    prompt: str | None
+    add_special_tokens: bool
+    messages: list[dict[str, Any]] | None
+    render: ChatRender | None
+    return_token_strs: bool
+
+
+def tokenize_request(body: dict[str, Any], server_template: str | None) -> TokenizeRequest:
+    strs = _bool(body, "return_token_strs", False)
+    if body.get("messages") is not None:
+        render = chat_render(body, server_template)
+        return TokenizeRequest(None, False, chat_messages(body), render, strs)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise _bad("prompt", "must be a string (or give messages)")
+    return TokenizeRequest(prompt, _bool(body, "add_special_tokens", True), None, None, strs)
+
+
+def detokenize_tokens(body: dict[str, Any]) -> list[int]:
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
+    ):
+        raise _bad("tokens", "must be a list of token ids")
+    return tokens
 
 
 def completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
