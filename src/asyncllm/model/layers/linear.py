@@ -1,8 +1,13 @@
-"""Linear layers written for tensor-parallel sharding.
+"""Linear layers sharded over the tensor-parallel group.
 
+Each layer reads `get_tp_group()` when it is built (so the model is built after
+`initialize_model_parallel`) and sizes its parameters for its rank: column-parallel
+layers hold a slice of the output rows (QKV by head, merged gate/up by each part),
+row-parallel layers a slice of the input columns and all-reduce their partial sums.
 Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that
-copies the rank's slice of a full checkpoint tensor into it, so checkpoints stream
+copies only the rank's slice of a full checkpoint tensor into it, so checkpoints stream
 straight into sharded parameters. At tensor-parallel size 1 the slice is the whole.
+A size the group cannot shard is refused at construction with a ValueError naming it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,34 @@ def _divide(a: int, b: int, what: str) -> int:
     if a % b:
         raise ValueError(f"{what} ({a}) is not divisible by the tensor-parallel size ({b})")
     return a // b
+
+
+def shard_attention_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple[int, int, int]:
+    """(query heads per rank, KV heads per rank, ranks sharing each KV head).
+
+    Query heads split evenly; KV heads split evenly when there are at least as many as
+    ranks, else each is replicated on `tp_size // num_kv_heads` ranks.
+    """
+    numbers = (
+        f"{num_heads} attention heads and {num_kv_heads} KV heads "
+        f"over a tensor-parallel size of {tp_size}"
+    )
+    if num_heads % num_kv_heads:
+        raise ValueError(f"cannot shard {numbers}: the KV heads do not divide the heads")
+    if num_heads % tp_size:
+        raise ValueError(f"cannot shard {numbers}: {num_heads} is not divisible by {tp_size}")
+    if num_kv_heads >= tp_size:
+        if num_kv_heads % tp_size:
+            raise ValueError(
+                f"cannot shard {numbers}: {num_kv_heads} is not divisible by {tp_size}"
+            )
+        return num_heads // tp_size, num_kv_heads // tp_size, 1
+    if tp_size % num_kv_heads:
+        raise ValueError(
+            f"cannot shard {numbers}: the KV heads are replicated when fewer than the "
+            f"ranks, so {tp_size} must be a multiple of {num_kv_heads}"
+        )
+    return num_heads // tp_size, 1, tp_size // num_kv_heads
 
 
 def _check_shape(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
@@ -107,15 +140,17 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
-        return self.tp.all_gather_last_dim(y) if self.gather_output else y
+        return self.tp.all_gather(y, -1) if self.gather_output else y
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         size = param.shape[0]
-        if loaded.shape[0] != size * self.tp.world_size:
-            _check_shape(param, loaded, getattr(param, "checkpoint_name", "?"))
-        shard = loaded.narrow(0, self.tp.rank * size, size)
-        _check_shape(param, shard, getattr(param, "checkpoint_name", "?"))
-        param.data.copy_(shard)
+        name = getattr(param, "checkpoint_name", "?")
+        expected = (size * self.tp.world_size, *param.shape[1:])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(loaded.shape)}, expected {expected}"
+            )
+        param.data.copy_(loaded.narrow(0, self.tp.rank_in_group * size, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -125,28 +160,38 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        tp_size = get_tp_group().world_size
         self.output_sizes = list(output_sizes)
+        self.shard_sizes = [_divide(s, tp_size, "merged output size") for s in output_sizes]
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if shard_id is None:
-            return super().weight_loader(param, loaded)
-        tp = self.tp
-        sizes = [_divide(s, tp.world_size, "merged output size") for s in self.output_sizes]
-        offset, size = sum(sizes[:shard_id]), sizes[shard_id]
         name = getattr(param, "checkpoint_name", "?")
+        if shard_id is None:  # the parts already merged, one after the other
+            expected = (sum(self.output_sizes), *param.shape[1:])
+            if tuple(loaded.shape) != expected:
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(loaded.shape)}, expected {expected}"
+                )
+            for i, part in enumerate(loaded.split(self.output_sizes)):
+                self.weight_loader(param, part, i)
+            return
+        offset, size = sum(self.shard_sizes[:shard_id]), self.shard_sizes[shard_id]
         expected = (self.output_sizes[shard_id], *param.shape[1:])
         if tuple(loaded.shape) != expected:
             raise ValueError(
                 f"weight {name!r} has shape {tuple(loaded.shape)}, expected {expected}"
             )
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, tp.rank * size, size))
+        rank = self.tp.rank_in_group
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Query, key and value projections in one weight, sharded by attention head.
 
-    With fewer KV heads than ranks, KV heads are replicated so each rank has one.
+    Each rank holds `num_heads` query heads and `num_kv_heads` KV heads, laid out
+    [q | k | v]. With fewer KV heads than ranks, each KV head is replicated on
+    `kv_replicas` consecutive ranks so that every rank has one.
     """
 
     def __init__(
@@ -161,13 +206,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_size = head_size
         self.total_num_heads = num_heads
         self.total_num_kv_heads = num_kv_heads
-        self.num_heads = _divide(num_heads, tp.world_size, "number of attention heads")
-        if num_kv_heads >= tp.world_size:
-            self.num_kv_heads = _divide(num_kv_heads, tp.world_size, "number of KV heads")
-            self.kv_replicas = 1
-        else:
-            self.num_kv_heads = 1
-            self.kv_replicas = _divide(tp.world_size, num_kv_heads, "tensor-parallel size")
+        self.num_heads, self.num_kv_heads, self.kv_replicas = shard_attention_heads(
+            num_heads, num_kv_heads, tp.world_size
+        )
         out = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp.world_size
         super().__init__(hidden_size, out, bias)
 
@@ -177,11 +218,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp, d = self.tp, self.head_size
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         if shard_id == "q":
-            offset, size, total, rank = 0, q_size, self.total_num_heads * d, tp.rank
+            offset, size, total, rank = 0, q_size, self.total_num_heads * d, tp.rank_in_group
         elif shard_id in ("k", "v"):
             offset = q_size + (0 if shard_id == "k" else kv_size)
             size, total = kv_size, self.total_num_kv_heads * d
-            rank = tp.rank // self.kv_replicas
+            rank = tp.rank_in_group // self.kv_replicas
         else:
             raise ValueError(f"unknown QKV shard {shard_id!r}")
         name = getattr(param, "checkpoint_name", "?")
@@ -217,4 +258,4 @@ class RowParallelLinear(LinearBase):
             raise ValueError(
                 f"weight {name!r} has shape {tuple(loaded.shape)}, expected {expected}"
             )
-        param.data.copy_(loaded.narrow(1, self.tp.rank * size, size))
+        param.data.copy_(loaded.narrow(1, self.tp.rank_in_group * size, size))
