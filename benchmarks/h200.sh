@@ -10,6 +10,7 @@
 #   bash benchmarks/h200.sh latency-0.6b eager-0.6b throughput-0.6b profile-0.6b
 #   bash benchmarks/h200.sh latency-8b throughput-8b test-gpu
 #   bash benchmarks/h200.sh latency-8b-sync   # (any benchmark stage: without async scheduling)
+#   bash benchmarks/h200.sh latency-8b-mp     # (any benchmark stage: the multiprocess executor)
 set -uo pipefail
 OUT=${OUT:-h200-logs}
 mkdir -p "$OUT"
@@ -45,9 +46,12 @@ stage() {
 }
 
 for s in "$@"; do
-    SYNC=()  # a stage name ending in -sync runs without async scheduling
+    SYNC=()  # a stage name ending in -sync runs without async scheduling,
     case $s in *-sync) SYNC=(--no-async-scheduling) ;; esac
-    case ${s%-sync} in
+    # and one ending in -mp through the multiprocess executor (one worker process)
+    case ${s%-sync} in *-mp) SYNC+=(--distributed-executor-backend mp) ;; esac
+    base=${s%-sync}
+    case ${base%-mp} in
     info) stage info bash -c "nvidia-smi; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'; git log -1 --oneline" ;;
     latency-0.6b) stage "$s" python3 -m asyncllm.bench.latency "${Q06[@]}" "${SYNC[@]}" ;;
     eager-0.6b) stage "$s" python3 -m asyncllm.bench.latency "${Q06[@]}" --enforce-eager ;;

@@ -30,6 +30,15 @@ if not torch.cuda.is_available():
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads_restored():
+    """An in-process engine given `cpu_threads` sets this process's torch threads; the
+    next module gets the suite's count back (one thread would slow every later test)."""
+    yield
+    if torch.get_num_threads() != int(os.environ["OMP_NUM_THREADS"]):
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for entry in Path("/proc").iterdir():

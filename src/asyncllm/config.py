@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 DTYPE_NAMES = ("float32", "float", "float16", "half", "bfloat16")  # and "auto"
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+EXECUTOR_BACKENDS = ("uni", "mp")  # and any Executor subclass as "module:Class"
 
 
 def is_torch_object(value: Any, type_name: str) -> bool:
@@ -91,7 +92,12 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # "uni", "mp" or "module:Class" (resolved: None only where built by hand, as "uni")
     distributed_executor_backend: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass
@@ -190,11 +196,16 @@ class EngineArgs:
     revision: str | None = None
     """The hub revision (branch, tag or commit) of a hub model."""
     tensor_parallel_size: int = 1
-    """GPUs a layer is split over (only 1 is served: no multi-GPU executor yet)."""
+    """Ranks each layer is split over (one worker process per rank, one GPU each on
+    CUDA; gloo over loopback on the CPU). The model's attention heads must divide by it,
+    and its KV heads divide by it or it by them (KV heads are then replicated)."""
     pipeline_parallel_size: int = 1
-    """Stages the layers are split into (only 1 is served: no multi-GPU executor yet)."""
+    """Stages the layers are split into (only 1 for now: pipeline parallelism comes
+    later)."""
     distributed_executor_backend: str | None = None
-    """The executor, as module:Class; None: the one-process executor."""
+    """The executor: uni (the model in the engine core's process, one rank only), mp
+    (one worker process per rank, steps broadcast over shared memory) or an Executor
+    subclass as module:Class; None: uni at one rank, mp above."""
     logits_processors: list[str] | None = None
     """Logits processor classes (module:Class) applied to every request."""
     max_logprobs: int = 20
@@ -211,7 +222,8 @@ class EngineArgs:
     cpu_threads: int | None = None
     """torch's intra-op threads for the engine core's CPU work; None: one per CPU the
     core may use, lowered while other processes keep CPUs busy (engine/cpu_threads.py),
-    or OMP_NUM_THREADS where it is set."""
+    or OMP_NUM_THREADS where it is set. With the mp executor: each worker's; None: the
+    usable CPUs shared out among the workers (at least one each)."""
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str | os.PathLike):
@@ -277,10 +289,10 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
-        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+        if self.pipeline_parallel_size > 1:
             raise ValueError(
-                "tensor_parallel_size and pipeline_parallel_size above 1 need the multiprocess "
-                "executor, which this version does not have yet"
+                f"pipeline_parallel_size={self.pipeline_parallel_size}: pipeline parallelism "
+                "is not supported yet (only 1); tensor_parallel_size splits a model over ranks"
             )
         if self.attention_backend is not None and (
             not isinstance(self.attention_backend, str) or not self.attention_backend
@@ -290,10 +302,20 @@ class EngineArgs:
                 f"got {self.attention_backend!r}"
             )
         backend = self.distributed_executor_backend
-        if backend not in (None, "uni") and not (isinstance(backend, str) and ":" in backend):
+        if backend not in EXECUTOR_BACKENDS + (None,) and not (
+            isinstance(backend, str) and ":" in backend
+        ):
             raise ValueError(
                 f"distributed_executor_backend {backend!r} is not available (this version has "
-                "'uni', the in-process executor, or an Executor subclass named 'module:Class')"
+                "'uni', the in-process executor, 'mp', one worker process per rank, or an "
+                "Executor subclass named 'module:Class')"
+            )
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if backend == "uni" and world > 1:
+            raise ValueError(
+                f"distributed_executor_backend 'uni' runs one rank in the engine core's "
+                f"process, but tensor_parallel_size={self.tensor_parallel_size} needs {world}: "
+                "use 'mp' (or leave it None)"
             )
         if self.logits_processors is not None:
             if not isinstance(self.logits_processors, list | tuple) or not all(

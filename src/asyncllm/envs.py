@@ -21,6 +21,11 @@ so a test or a host that sets a variable before starting an engine is heard.
 - `ASYNCLLM_GRAMMAR_DEVICE_STEPS`: `0` has the host relay a constrained step's tokens to
   the grammar process and queue its sampling once the bitmask is filled, as on the CPU;
   by default, on CUDA with async scheduling, the device does both (default `1`).
+- `ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S`: how long the multiprocess executor waits for a
+  model step's result from its workers before the engine fails with a TimeoutError
+  naming it (a worker stuck in a collective or a step; default `300`).
+- `ASYNCLLM_PP_LAYER_PARTITION`: comma-separated decoder-layer counts per pipeline stage
+  (e.g. `12,12`), overriding the even split; read only at `pipeline_parallel_size` > 1.
 """
 
 from __future__ import annotations
@@ -38,7 +43,10 @@ VARIABLES = (
     "ASYNCLLM_PROGRESS",
     "ASYNCLLM_GRAMMAR_THREADS",
     "ASYNCLLM_GRAMMAR_DEVICE_STEPS",
+    "ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S",
+    "ASYNCLLM_PP_LAYER_PARTITION",
 )
+PP_LAYER_PARTITION = "ASYNCLLM_PP_LAYER_PARTITION"
 
 
 def cache_root() -> Path:
@@ -120,3 +128,24 @@ def grammar_threads() -> int:
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"ASYNCLLM_GRAMMAR_THREADS must be a positive int, got {value!r}")
     return int(value)
+
+
+def execute_model_timeout_s() -> float:
+    """How long the multiprocess executor waits for one step's result
+    ($ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S, seconds, default 300)."""
+    value = os.environ.get("ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S", "300")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(
+            f"ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S must be a positive number of seconds, got {value!r}"
+        )
+    return seconds
+
+
+def pp_layer_partition() -> str | None:
+    """The layers per pipeline stage that $ASYNCLLM_PP_LAYER_PARTITION asks for ("12,12"),
+    or None when it is unset or empty."""
+    return os.environ.get("ASYNCLLM_PP_LAYER_PARTITION") or None

@@ -10,10 +10,7 @@ collective this one will never run, and the test kills it.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +26,7 @@ from asyncllm.model.layers.linear import (
     RowParallelLinear,
     cpu_packing_available,
 )
+from tests.distributed.ranks import run_checks
 
 TP = 2
 TOL = 1e-5
@@ -296,20 +294,7 @@ def main() -> None:
     torch.set_num_threads(1)
     ps.init_distributed_environment(int(world), int(rank_), init_method, timeout=20)
     ps.initialize_model_parallel(tensor_parallel_size=TP)
-    out = Path(out_dir) / f"rank{rank_}.json"
-    results: dict[str, str | None] = {}
-    for name, fn in CHECKS:
-        try:
-            fn()
-            results[name] = None
-        except Exception:
-            # The other rank may be waiting in a collective this one skipped: stop here
-            # (the test kills it) rather than run on out of step.
-            results[name] = traceback.format_exc()
-            out.write_text(json.dumps(results))
-            print(f"rank {rank_} failed at {name}:\n{results[name]}", flush=True)
-            os._exit(1)
-        out.write_text(json.dumps(results))
+    run_checks(CHECKS, Path(out_dir) / f"rank{rank_}.json", int(rank_))
 
 
 if __name__ == "__main__":

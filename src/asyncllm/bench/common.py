@@ -58,6 +58,13 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         str,
         "auto, triton (CUDA), torch_native, or a registered name",
     ),
+    ("--tensor-parallel-size", "tensor_parallel_size", int, "ranks a layer is split over"),
+    (
+        "--distributed-executor-backend",
+        "distributed_executor_backend",
+        str,
+        "uni (in the engine core), mp (a worker process per rank) or module:Class",
+    ),
 ]
 
 

@@ -46,8 +46,12 @@ class EngineCore:
         self.config = config
         self.thread_tuner = set_cpu_threads(config)
         self.executor = (executor_class or get_executor_class(config))(config)
-        self.num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_cache(self.num_blocks)
+        try:
+            self.num_blocks = self.executor.determine_num_blocks()
+            self.executor.initialize_cache(self.num_blocks)
+        except BaseException:
+            self.executor.shutdown()  # (its workers, if it has any, go with it)
+            raise
         cache = config.cache
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks,

@@ -30,6 +30,7 @@ from asyncllm.config import (
 from asyncllm.envs import cache_root
 from asyncllm.messages import ResolvedConfig
 from asyncllm.model.attention.registry import AttentionNeeds, find_attention_backend
+from asyncllm.model.layers.linear import shard_attention_heads
 from asyncllm.model.source import resolve_model_path
 from asyncllm.sample.logits_processor import load_logits_processor_class
 
@@ -193,11 +194,11 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=float(args.gpu_memory_utilization),
     )
-    parallel = ParallelConfig(
-        args.tensor_parallel_size,
-        args.pipeline_parallel_size,
-        args.distributed_executor_backend,
+    parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size)
+    parallel.distributed_executor_backend = args.distributed_executor_backend or (
+        "uni" if parallel.world_size == 1 else "mp"
     )
+    check_parallel(parallel, model)
     return EngineConfig(
         model=model,
         cache=cache,
@@ -211,6 +212,35 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         cudagraph_capture_sizes=_capture_sizes(args, model.device, max_num_seqs),
         cpu_threads=args.cpu_threads,
     )
+
+
+def check_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
+    """Refuses, before any worker starts, a tensor-parallel size the model cannot be
+    sharded over (its attention heads, KV heads, MLP width) or a device count that is not
+    there; the message names the numbers."""
+    tp = parallel.tensor_parallel_size
+    if tp == 1:
+        return
+    hf = model.hf_config
+    heads = int(getattr(hf, "num_attention_heads", 0) or 0)
+    kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
+    what = f"tensor_parallel_size={tp} cannot shard {model.architecture}"
+    if heads:
+        try:
+            shard_attention_heads(heads, kv_heads, tp)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
+    inter = int(getattr(hf, "intermediate_size", 0) or 0)
+    if inter and inter % tp:
+        raise ValueError(f"{what}: its intermediate_size ({inter}) is not divisible by {tp}")
+    if model.device.type == "cuda":
+        first = model.device.index or 0
+        have = torch.cuda.device_count()
+        if first + parallel.world_size > have:
+            raise ValueError(
+                f"tensor_parallel_size={tp} needs {parallel.world_size} GPUs from "
+                f"cuda:{first} on, but {have} are visible"
+            )
 
 
 def _capture_sizes(args: EngineArgs, device: torch.device, max_num_seqs: int) -> list[int]:

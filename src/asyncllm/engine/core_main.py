@@ -14,8 +14,11 @@ work exists and blocks on the queue when idle. The process exits when its parent
 stdin, a pipe from the parent, reaches EOF) and on SIGTERM; a terminal's SIGINT and SIGHUP
 are the host's and ignored here (see `host_launcher.start_child`). An exception in the
 loop or in either I/O thread is sent to the client as DEAD before the process exits, so
-the core never lives on half dead. On the way out the I/O threads are stopped and joined
-before their sockets close, and the private folder holding the sockets is removed.
+the core never lives on half dead; so is an executor's failure reported from its own
+thread (a worker process died: `Executor.register_failure_callback`), which wakes an
+idle loop. On the way out the I/O threads are stopped and joined before their sockets
+close, the engine core is shut down (an executor's workers end), and the private folder
+holding the sockets is removed.
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ from typing import Any
 import zmq
 
 from asyncllm import envs
+from asyncllm.child_process import ignore_terminal_signals
 from asyncllm.config import EngineArgs
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.core_config import create_engine_config, resolved_config
 from asyncllm.engine.heap import freeze_startup_objects, trim_heap, unfreeze_objects
-from asyncllm.engine.host_launcher import ignore_terminal_signals, remove_private_ipc_dir
+from asyncllm.engine.host_launcher import remove_private_ipc_dir
 from asyncllm.engine.serial import Decoder, Encoder
 from asyncllm.messages import (
     TO_CORE,
@@ -90,6 +94,7 @@ class _Control:
 
     reason: str
     failed: bool  # an I/O thread died (else: a signal asked us to stop)
+    error: BaseException | None = None  # the executor failed (a worker died): raised as is
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +186,10 @@ class EngineCoreProc:
         )
         self._input_thread.start()
         self._output_thread.start()
+        # An executor that loses a worker while the core is idle wakes the loop to die.
+        core.executor.register_failure_callback(
+            lambda e: self.in_q.put(_Control(str(e), failed=True, error=e))
+        )
         self._serving = True
         self.out_q.put(EngineReady(num_blocks=core.num_blocks, startup_seconds=stages))
         return core
@@ -206,9 +215,19 @@ class EngineCoreProc:
             try:
                 self.shutdown()
             finally:
+                self.shutdown_core()
                 unfreeze_objects()
                 self.remove_ipc_dir()
         return code
+
+    def shutdown_core(self) -> None:
+        """Releases the engine core: its executor's workers, the grammar process."""
+        if self.core is None:
+            return
+        try:
+            self.core.shutdown()
+        except Exception:  # noqa: BLE001 (the exit goes on)
+            logger.exception("the engine core's shutdown failed")
 
     def on_signal(self, signum: int, frame: Any) -> None:
         # Once: a second signal must not interrupt the orderly exit of the first.
@@ -332,6 +351,8 @@ class EngineCoreProc:
 
     def _handle(self, core: EngineCore, item: Any) -> None:
         if isinstance(item, _Control):
+            if item.error is not None:
+                raise item.error
             if item.failed:
                 raise _IOThreadFailed(item.reason)
             raise _Stop(item.reason)

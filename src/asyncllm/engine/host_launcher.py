@@ -8,7 +8,6 @@ import dataclasses
 import os
 import re
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncllm import envs
+from asyncllm.child_process import start_child
 from asyncllm.config import EngineArgs, is_torch_object
 from asyncllm.messages import EngineStartup
 
@@ -34,32 +34,6 @@ def startup_message(args: EngineArgs) -> EngineStartup:
             v = str(v)
         out[f.name] = v
     return EngineStartup(engine_args=out)
-
-
-# A terminal's Ctrl-C (SIGINT) and hang-up (SIGHUP) go to every process of its foreground
-# process group, children included; they are the host's to act on. A child started by
-# `start_child` has them blocked from its first instruction on (the mask survives exec,
-# and so covers the imports before its main()), calls `ignore_terminal_signals` in its
-# main(), and follows the host through its stdin's EOF. What it starts inherits the mask.
-TERMINAL_SIGNALS = frozenset({signal.SIGINT, signal.SIGHUP})
-
-
-def start_child(cmd: list[str], **popen_kwargs: Any) -> subprocess.Popen:
-    """`subprocess.Popen(cmd, ...)` with TERMINAL_SIGNALS blocked in the child. Only the
-    calling thread's signal mask changes, and only during the call: thread-safe, with no
-    `preexec_fn` (unsafe where threads run)."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINAL_SIGNALS)
-    try:
-        return subprocess.Popen(cmd, **popen_kwargs)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-def ignore_terminal_signals() -> None:
-    """In a child's main(): TERMINAL_SIGNALS ignored for good (one that arrived while
-    blocked is discarded), even if a library later unblocks them."""
-    for sig in TERMINAL_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
 
 
 IPC_PREFIX = "allm-"  # the private socket folder's name: allm-<the host's pid>-<random>

@@ -34,7 +34,7 @@ from typing import IO, Any
 import msgspec
 
 from asyncllm import envs
-from asyncllm.engine.host_launcher import ignore_terminal_signals, start_child
+from asyncllm.child_process import ignore_terminal_signals, start_child
 
 _HEADER = 4
 

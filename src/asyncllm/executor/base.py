@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Protocol
 
 from asyncllm.config import EngineConfig
@@ -70,6 +71,11 @@ class Executor(ABC):
         """Whether the worker has queued the device's hand-over of the tokens ahead for
         device step `seq` (then the host must not write them or their flag)."""
         return False
+
+    def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:  # noqa: B027
+        """`callback(error)` is called, from another thread, once the executor has failed
+        for good while the engine may be idle (a worker process died): the engine core
+        then ends as dead rather than waiting for work. The default never fails so."""
 
     def startup_seconds(self) -> dict[str, float]:
         """The worker's start-up stages (stage -> seconds), where it measured them."""

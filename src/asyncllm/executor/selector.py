@@ -1,5 +1,6 @@
-"""Which executor an engine uses: the in-process one, or an Executor subclass named by
-`distributed_executor_backend="module:Class"`."""
+"""Which executor an engine uses: "uni" (the in-process one), "mp" (one worker process
+per rank), or an Executor subclass named by `distributed_executor_backend="module:Class"`.
+None picks "uni" at world size 1 and "mp" above."""
 
 from __future__ import annotations
 
@@ -11,10 +12,21 @@ from asyncllm.executor.uniproc import UniProcExecutor
 
 
 def get_executor_class(config: EngineConfig) -> type[Executor]:
-    backend = config.parallel.distributed_executor_backend
-    if backend in (None, "uni"):
+    parallel = config.parallel
+    backend = parallel.distributed_executor_backend
+    if backend is None:
+        backend = "uni" if parallel.world_size == 1 else "mp"
+    if backend == "uni":
+        if parallel.world_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend 'uni' runs one rank, not {parallel.world_size}"
+            )
         return UniProcExecutor
-    module_name, _, attr = (backend or "").partition(":")
+    if backend == "mp":
+        from asyncllm.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor
+    module_name, _, attr = backend.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as e:

@@ -3,7 +3,8 @@
 Formats: safetensors (single, or sharded with `model.safetensors.index.json`;
 memory-mapped), PyTorch `.bin` files as a fallback, and "dummy" (uniform weights in
 ±1e-3, for benchmarks). GGUF files and hub ids are turned into local folders by
-`asyncllm.model.source` before they get here.
+`asyncllm.model.source` before they get here. A pipeline stage reads only its own
+tensors (`CausalLM.holds_weight`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -55,7 +56,13 @@ def bin_files(folder: Path) -> list[Path]:
     )
 
 
-def iter_safetensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+# Which checkpoint tensors to read, by name (None: all of them).
+WeightFilter = Callable[[str], bool] | None
+
+
+def iter_safetensors(
+    files: list[Path], device: torch.device, keep: WeightFilter = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     # safe_open memory-maps the file; on CUDA tensors are read straight to the device.
@@ -63,14 +70,18 @@ def iter_safetensors(files: list[Path], device: torch.device) -> Iterator[tuple[
     for f in files:
         with safe_open(str(f), framework="pt", device=target) as st:
             names = list(st.keys())  # (safe_open is not a dict)
+            if keep is not None:
+                names = [name for name in names if keep(name)]
             for name in progress(names, f"loading {f.name}"):
                 yield name, st.get_tensor(name)
 
 
-def iter_bin(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_bin(files: list[Path], keep: WeightFilter = None) -> Iterator[tuple[str, torch.Tensor]]:
     for f in files:
         state = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
-        yield from state.items()
+        for name, tensor in state.items():
+            if keep is None or keep(name):
+                yield name, tensor
         del state
 
 
@@ -78,18 +89,21 @@ class DefaultModelLoader:
     def __init__(self, load_format: str = "auto") -> None:
         self.load_format = load_format
 
-    def weights(self, folder: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(
+        self, folder: Path, device: torch.device, keep: WeightFilter = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors by name; with `keep`, only those it accepts are read."""
         fmt = self.load_format
         if fmt in ("auto", "safetensors", "gguf"):
             files = safetensors_files(folder)
             if files:
-                return iter_safetensors(files, device)
+                return iter_safetensors(files, device, keep)
             if fmt == "safetensors":
                 raise FileNotFoundError(f"no *.safetensors weights in {str(folder)!r}")
         if fmt in ("auto", "pt"):
             files = bin_files(folder)
             if files:
-                return iter_bin(files)
+                return iter_bin(files, keep)
         raise FileNotFoundError(
             f"no weights in {str(folder)!r} (looked for *.safetensors and *.bin)"
         )
@@ -105,7 +119,8 @@ class DefaultModelLoader:
             for p in model.parameters():
                 p.data.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=gen)
         else:
-            loaded = model.load_weights(self.weights(model_config.path, device))
+            weights = self.weights(model_config.path, device, model.holds_weight)
+            loaded = model.load_weights(weights)
             missing = model.expected_parameters() - loaded
             if missing:
                 raise ValueError(

@@ -3,6 +3,11 @@
 One implementation; the differences are switches read from the config. The model
 takes a flat batch of tokens (all sequences' chunks back to back) with their
 positions, writes K/V into the paged cache and attends through the backend.
+
+Under pipeline parallelism a rank builds only its stage (`model/pipeline.py`): its
+decoder layers, the embedding on the first stage (and on the last when the LM head is
+tied to it: that stage holds the table as its LM head), the final norm and the LM head
+on the last; the rest are placeholders without weights.
 """
 
 from __future__ import annotations
@@ -25,6 +30,15 @@ from asyncllm.model.layers.linear import (
 )
 from asyncllm.model.layers.norm import RMSNorm
 from asyncllm.model.layers.rotary import get_rope, rope_parameters
+from asyncllm.model.pipeline import (
+    HIDDEN_STATES,
+    RESIDUAL,
+    IntermediateTensors,
+    PipelineStage,
+    PPMissingLayer,
+    make_layers,
+    missing_prefixes,
+)
 
 
 def _sliding_window(config: Any, layer: int) -> int | None:
@@ -123,22 +137,58 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool):
+    def __init__(
+        self,
+        config: Any,
+        backend: AttentionBackend,
+        qkv_bias: bool,
+        qk_norm: bool,
+        stage: PipelineStage,
+        tie_word_embeddings: bool,
+    ):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        layers = [
-            LlamaDecoderLayer(config, i, backend, qkv_bias, qk_norm)
-            for i in range(config.num_hidden_layers)
-        ]
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        attn = layers[0].self_attn  # every layer has the same KV heads
-        self.kv_cache_spec = KVCacheSpec(len(layers), attn.num_kv_heads, attn.head_dim)
+        self.stage = stage
+        self.is_first, self.is_last = stage.is_first, stage.is_last
+        self.hidden_size = config.hidden_size
+        self.embed_tokens: nn.Module
+        if stage.is_first or (tie_word_embeddings and stage.is_last):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = PPMissingLayer("the embedding")
+        self.layers = make_layers(
+            stage, lambda i: LlamaDecoderLayer(config, i, backend, qkv_bias, qk_norm)
+        )
+        # This stage's layers in order, beside the registered list (iterated each step).
+        local = tuple(layer for layer in self.layers if isinstance(layer, LlamaDecoderLayer))
+        self.local_layers = local
+        self.norm: nn.Module
+        if stage.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        else:
+            self.norm = PPMissingLayer("the final norm")
+        attn = local[0].self_attn  # every layer has the same KV heads
+        self.kv_cache_spec = KVCacheSpec(
+            len(local), attn.num_kv_heads, attn.head_dim, first_layer=stage.start_layer
+        )
 
-    def forward(self, input_ids, positions, kv_caches, attn_metadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: Any,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if self.is_first:
+            x, residual = self.embed_tokens(input_ids), None
+        elif intermediate_tensors is None:
+            raise ValueError(f"pipeline stage {self.stage.rank} needs the previous stage's tensors")
+        else:
+            x, residual = intermediate_tensors[HIDDEN_STATES], intermediate_tensors[RESIDUAL]
+        for layer, kv_cache in zip(self.local_layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, attn_metadata)
+        if not self.is_last:
+            return {HIDDEN_STATES: x, RESIDUAL: residual}
         x, _ = self.norm(x, residual)
         return x
 
@@ -159,11 +209,22 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         qkv_bias = bool(getattr(config, "attention_bias", False)) or self.qkv_bias_default
-        self.model = LlamaModel(config, backend, qkv_bias, self.qk_norm)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.stage = PipelineStage.of_this_rank(config.num_hidden_layers)
+        self.model = LlamaModel(
+            config, backend, qkv_bias, self.qk_norm, self.stage, self.tie_word_embeddings
+        )
+        self.lm_head: nn.Module
+        if self.stage.is_last:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if self.tie_word_embeddings:
+                embedding = self.model.embed_tokens
+                assert isinstance(embedding, VocabParallelEmbedding)
+                self.lm_head.tie_to(embedding)
+        else:
+            self.lm_head = PPMissingLayer("the LM head")
+        # Checkpoint tensors under these names are other stages' (none at one stage).
+        self._other_stages = missing_prefixes(self)
         for name, p in self.named_parameters():
             set_weight_attrs(p, checkpoint_name=name)
 
@@ -172,13 +233,27 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: Any,
-    ) -> torch.Tensor:
-        """Hidden states [T, hidden] for a flat batch of T tokens."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """Hidden states [T, hidden] for a flat batch of T tokens (on the last stage;
+        an earlier stage returns the next one's tensors, see `CausalLM.forward`)."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate_tensors)
+
+    def make_empty_intermediate_tensors(
+        self, num_tokens: int, dtype: torch.dtype, device: torch.device
+    ) -> IntermediateTensors:
+        shape = (num_tokens, self.model.hidden_size)
+        return {
+            HIDDEN_STATES: torch.empty(shape, dtype=dtype, device=device),
+            RESIDUAL: torch.empty(shape, dtype=dtype, device=device),
+        }
+
+    def holds_weight(self, checkpoint_name: str) -> bool:
+        return not (self._other_stages and checkpoint_name.startswith(self._other_stages))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)
@@ -186,14 +261,18 @@ class LlamaForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Streams checkpoint tensors into parameters; returns the parameters loaded.
 
-        Unknown names and wrong shapes raise ValueError naming the tensor.
+        Tensors of other pipeline stages are skipped. Unknown names and wrong shapes
+        raise ValueError naming the tensor.
         """
         params = dict(self.named_parameters())
+        other_stages = self._other_stages
         loaded: set[str] = set()
         for ckpt_name, tensor in weights:
             if "rotary_emb.inv_freq" in ckpt_name:
                 continue
             if self.tie_word_embeddings and ckpt_name == "lm_head.weight":
+                continue
+            if other_stages and ckpt_name.startswith(other_stages):
                 continue
             name, shard = self._parameter_for(ckpt_name)
             param = params.get(name)
