@@ -10,6 +10,7 @@ deadline; `assert_check_passed` turns one check's results into a test's verdict.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -62,7 +63,9 @@ def run_ranks(module: str, world: int, out_dir: Path, deadline_s: float) -> Rank
         while True:
             codes = [p.poll() for p in procs]
             if any(code not in (None, 0) for code in codes):
-                time.sleep(0.5)  # the peer of a failed rank usually fails at once too
+                for p in procs:  # the peer of a failed rank usually fails at once too
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        p.wait(timeout=2.0)
                 failure = f"a rank failed: exit codes {[p.poll() for p in procs]}"
                 break
             if all(code == 0 for code in codes):
