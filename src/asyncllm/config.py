@@ -86,6 +86,10 @@ class SchedulerConfig:
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
     max_waiting_requests: int | None = None  # beyond this, new requests are refused
     async_scheduling: bool = True  # schedule step N+1 while step N runs (as EngineArgs)
+    # Whether every rank holds the tokens the runner samples. False under pipeline
+    # parallelism: a request is not scheduled while a token of it is being sampled, and
+    # each step lists the tokens its requests compute (`CachedRequestData.new_token_ids`).
+    runner_holds_samples: bool = True
 
 
 @dataclass
@@ -200,8 +204,9 @@ class EngineArgs:
     CUDA; gloo over loopback on the CPU). The model's attention heads must divide by it,
     and its KV heads divide by it or it by them (KV heads are then replicated)."""
     pipeline_parallel_size: int = 1
-    """Stages the layers are split into (only 1 for now: pipeline parallelism comes
-    later)."""
+    """Pipeline stages the decoder layers are split into (contiguous layers each, one
+    worker process per stage and TP rank; ASYNCLLM_PP_LAYER_PARTITION overrides the even
+    split)."""
     distributed_executor_backend: str | None = None
     """The executor: uni (the model in the engine core's process, one rank only), mp
     (one worker process per rank, steps broadcast over shared memory) or an Executor
@@ -289,11 +294,6 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
-        if self.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"pipeline_parallel_size={self.pipeline_parallel_size}: pipeline parallelism "
-                "is not supported yet (only 1); tensor_parallel_size splits a model over ranks"
-            )
         if self.attention_backend is not None and (
             not isinstance(self.attention_backend, str) or not self.attention_backend
         ):  # (whether it names a registered backend: the core's start-up checks)
@@ -314,7 +314,8 @@ class EngineArgs:
         if backend == "uni" and world > 1:
             raise ValueError(
                 f"distributed_executor_backend 'uni' runs one rank in the engine core's "
-                f"process, but tensor_parallel_size={self.tensor_parallel_size} needs {world}: "
+                f"process, but tensor_parallel_size={self.tensor_parallel_size} x "
+                f"pipeline_parallel_size={self.pipeline_parallel_size} needs {world} ranks: "
                 "use 'mp' (or leave it None)"
             )
         if self.logits_processors is not None:

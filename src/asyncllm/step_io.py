@@ -32,6 +32,9 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    # Under pipeline parallelism only (`SchedulerConfig.runner_holds_samples` False):
+    # the tokens each request computes this step, for the stages that never sample.
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
 
 # A device step's flags (uint32 step numbers, each on its own 64-byte line of the

@@ -2,8 +2,8 @@
 (gloo over loopback, one torch thread per worker, float32) against the one-process
 executor, AsyncLLM over it, and its faults.
 
-Engines are shared where a test leaves them usable (module-scoped), and the models are
-tiny (two layers, a vocabulary of 384); a TP=2 engine in this process starts in about
+Engines are shared where a test leaves them usable (module-scoped; the models and the
+TP=1 reference come from conftest.py), and the models are tiny (two layers, a vocabulary of 384); a TP=2 engine in this process starts in about
 1.5 s on a 2-CPU machine. "Equal" greedy outputs follow DESIGN.md's tie rule (sharded
 sums add in another order): a divergence only where the reference's two best logits
 (read from its top-2 logprobs, which differ from the logits by one constant per
@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
@@ -30,134 +28,21 @@ from asyncllm import (
     SamplingParams,
 )
 from asyncllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-from tests.model.helpers import TIE_TOLERANCE
-from tests.model.tiny import make_tiny_model
-
-TINY = dict(
-    device="cpu",
-    dtype="float32",
-    max_model_len=128,
-    skip_tokenizer_init=True,
-    cpu_threads=1,
+from tests.distributed.engines import (
+    GREEDY,
+    PROMPTS,
+    TINY,
+    StreamTokens,
+    as_inputs,
+    assert_equal_under_tie_rule,
+    children,
+    shm_segments,
+    token_ids,
+    wait_gone,
+    worker_pids,
 )
-GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
-PROMPT_LENGTHS = [1, 3, 7, 12, 20, 33, 40, 64]
-
-
-def _prompts(seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(384) for _ in range(n)] for n in PROMPT_LENGTHS]
-
-
-PROMPTS = _prompts()
-
-
-def _as_inputs(prompts: list[list[int]]) -> list[dict]:
-    return [{"prompt_token_ids": p} for p in prompts]
-
-
-def _tokens(outs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def assert_equal_under_tie_rule(ref_outs, outs, label: str) -> None:
-    """Greedy tokens equal to the reference's, but where they first diverge the
-    reference's two best logprobs were within TIE_TOLERANCE (at most two such)."""
-    ties = []
-    for i, (ref, got) in enumerate(zip(ref_outs, outs, strict=True)):
-        want, have = list(ref.outputs[0].token_ids), list(got.outputs[0].token_ids)
-        if want == have:
-            continue
-        assert len(want) == len(have), f"{label} prompt {i}: {len(have)} tokens, not {len(want)}"
-        at = next(k for k, (a, b) in enumerate(zip(want, have)) if a != b)
-        top = sorted((lp.logprob for lp in ref.outputs[0].logprobs[at].values()), reverse=True)
-        gap = top[0] - top[1]
-        assert gap < TIE_TOLERANCE, f"{label} prompt {i} diverged at {at}, top-2 gap {gap}"
-        ties.append((i, at, gap))
-    if ties:
-        print(f"{label}: divergences at near-ties (prompt, index, gap): {ties}")
-    assert len(ties) <= 2, f"{label}: too many tie divergences: {ties}"
-
-
-# -- processes -----------------------------------------------------------------------
-
-
-def _pid_alive(pid: int) -> bool:
-    """A live process (a zombie waiting for its parent counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def worker_pids(parent: int) -> list[int]:
-    """The worker processes `parent` started, by rank."""
-    found = {}
-    for pid in _children(parent):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"asyncllm.executor.multiproc_worker" in argv:
-            found[int(argv[argv.index(b"--rank") + 1])] = pid
-    return [found[r] for r in sorted(found)]
-
-
-def _wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while (alive := [p for p in pids if _pid_alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return alive
-
-
-def _shm_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("asyncllm_shmq_")}
-
 
 # -- models and engines ----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    """Random Llama-family models: llama3 with 4 heads and 2 KV heads (one per rank at
-    TP=2), qwen2 with 1 KV head (replicated at TP=2; q/k/v biases)."""
-    root = tmp_path_factory.mktemp("tiny-tp")
-    out = {}
-    for arch in ("llama3", "qwen2"):
-        make_tiny_model(arch, root / arch)
-        out[arch] = root / arch
-    return out
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_models):
-    """TP=1 (the one-process executor): greedy outputs of PROMPTS per model, and the
-    llama3 engine itself."""
-    engines = {
-        arch: LLM(str(path), multiprocess=False, num_gpu_blocks_override=64, **TINY)
-        for arch, path in tiny_models.items()
-    }
-    greedy = {
-        arch: llm.generate(_as_inputs(PROMPTS), GREEDY, use_tqdm=False)
-        for arch, llm in engines.items()
-    }
-    engines["qwen2"].shutdown()
-    yield engines["llama3"], greedy
-    engines["llama3"].shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -186,14 +71,14 @@ def test_tp2_greedy_equals_tp1_with_preemption_and_prefix_hits(tp2_llama, refere
     _, ref = reference
     executor = _executor(tp2_llama)
     assert type(executor).__name__ == "MultiprocExecutor" and len(executor.worker_pids) == 2
-    outs = tp2_llama.generate(_as_inputs(PROMPTS), GREEDY, use_tqdm=False)
+    outs = tp2_llama.generate(as_inputs(PROMPTS), GREEDY, use_tqdm=False)
     assert_equal_under_tie_rule(ref["llama3"], outs, "llama3 TP=2")
     stats = tp2_llama.get_stats()
     assert stats["num_preemptions"] > 0, stats
     # The longest prompt again, alone: its full blocks come from the prefix cache.
-    again = tp2_llama.generate(_as_inputs(PROMPTS[-1:]), GREEDY, use_tqdm=False)
+    again = tp2_llama.generate(as_inputs(PROMPTS[-1:]), GREEDY, use_tqdm=False)
     assert again[0].num_cached_tokens >= 48
-    assert _tokens(again) == _tokens(outs[-1:])
+    assert token_ids(again) == token_ids(outs[-1:])
     stats = tp2_llama.get_stats()
     assert stats["prefix_cache_hits"] > 0
     assert stats["num_free_blocks"] == stats["num_blocks"] == 16
@@ -209,11 +94,11 @@ def test_tp2_with_one_kv_head_replicated_equals_tp1(tiny_models, reference):
         async_scheduling=False,  # (the one-step-at-a-time path, here)
         **TINY,
     ) as llm:
-        outs = llm.generate(_as_inputs(PROMPTS), GREEDY, use_tqdm=False)
+        outs = llm.generate(as_inputs(PROMPTS), GREEDY, use_tqdm=False)
     assert_equal_under_tie_rule(ref["qwen2"], outs, "qwen2 (1 KV head) TP=2")
 
 
-def test_mp_at_one_rank_gives_the_in_process_tokens(tiny_models, reference):
+def test_mp_at_one_rank_gives_the_in_processtoken_ids(tiny_models, reference):
     """One worker process (the executor's process hop alone): the same tokens."""
     _, ref = reference
     with LLM(
@@ -224,8 +109,8 @@ def test_mp_at_one_rank_gives_the_in_process_tokens(tiny_models, reference):
         **TINY,
     ) as llm:
         assert len(_executor(llm).worker_pids) == 1
-        outs = llm.generate(_as_inputs(PROMPTS), GREEDY, use_tqdm=False)
-    assert _tokens(outs) == _tokens(ref["llama3"])
+        outs = llm.generate(as_inputs(PROMPTS), GREEDY, use_tqdm=False)
+    assert token_ids(outs) == token_ids(ref["llama3"])
 
 
 def test_tp2_seeded_sampling_and_logprobs_equal_tp1(tp2_llama, reference):
@@ -236,10 +121,10 @@ def test_tp2_seeded_sampling_and_logprobs_equal_tp1(tp2_llama, reference):
         )
         for i in range(4)
     ]
-    prompts = _as_inputs(PROMPTS[2:6])
+    prompts = as_inputs(PROMPTS[2:6])
     want = ref_llm.generate(prompts, params, use_tqdm=False)
     got = tp2_llama.generate(prompts, params, use_tqdm=False)
-    assert _tokens(got) == _tokens(want)
+    assert token_ids(got) == token_ids(want)
     for w, g in zip(want, got, strict=True):
         for wp, gp in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
             assert wp.keys() == gp.keys()
@@ -253,7 +138,7 @@ def test_tp2_seeded_sampling_and_logprobs_equal_tp1(tp2_llama, reference):
 def test_tp3_smollm_equals_tp1_with_a_structured_output(llm, smollm_prompts):
     """SmolLM2 (9 heads, 3 KV heads) over three workers on two CPUs: a few prompts, few
     tokens, and a request constrained by a choice (its bitmask goes with the step)."""
-    prompts = _as_inputs(smollm_prompts[1:4])
+    prompts = as_inputs(smollm_prompts[1:4])
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     choice = SamplingParams(
         max_tokens=8,
@@ -283,18 +168,18 @@ def test_tp3_smollm_equals_tp1_with_a_structured_output(llm, smollm_prompts):
 def test_a_size_the_model_cannot_shard_is_refused_before_any_worker_starts():
     from asyncllm.engine.core_config import create_engine_config
 
-    before = set(_children(os.getpid()))
+    before = set(children(os.getpid()))
     with pytest.raises(
         ValueError, match=r"tensor_parallel_size=2 cannot shard .*9 attention heads and 3 KV heads"
     ):
         create_engine_config(EngineArgs(device="cpu", tensor_parallel_size=2))
-    with pytest.raises(ValueError, match="pipeline parallelism is not supported yet"):
-        EngineArgs(pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=31 cannot split .*30 layers"):
+        create_engine_config(EngineArgs(device="cpu", pipeline_parallel_size=31))
     with pytest.raises(ValueError, match="'uni' runs one rank"):
         EngineArgs(tensor_parallel_size=2, distributed_executor_backend="uni")
     config = create_engine_config(EngineArgs(device="cpu"))
     assert config.parallel.distributed_executor_backend == "uni"
-    assert set(_children(os.getpid())) <= before
+    assert set(children(os.getpid())) <= before
 
 
 def test_the_config_crosses_to_a_worker_as_plain_data():
@@ -328,16 +213,16 @@ def test_a_stalled_worker_ends_in_the_timeout_error(tiny_models, monkeypatch):
         os.kill(pids[1], signal.SIGSTOP)  # (rank 0 then waits in a collective for it)
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S=2"):
-            llm.generate(_as_inputs(PROMPTS[:2]), GREEDY, use_tqdm=False)
+            llm.generate(as_inputs(PROMPTS[:2]), GREEDY, use_tqdm=False)
         assert time.monotonic() - t0 < 10
     finally:
         llm.shutdown()
-    assert _wait_gone(pids, 5) == []
+    assert wait_gone(pids, 5) == []
 
 
 def test_a_worker_error_at_start_up_is_raised_as_is_and_leaves_nothing(tiny_models):
-    before = set(_children(os.getpid()))
-    shm_before = _shm_segments()
+    before = set(children(os.getpid()))
+    shm_before = shm_segments()
     with pytest.raises(EngineStartupError, match="the KV cache has room for 2 blocks") as e:
         LLM(
             str(tiny_models["llama3"]),
@@ -347,8 +232,8 @@ def test_a_worker_error_at_start_up_is_raised_as_is_and_leaves_nothing(tiny_mode
             **TINY,
         )
     assert isinstance(e.value.__cause__, ValueError)  # (the workers' error, as it was)
-    assert _wait_gone(list(set(_children(os.getpid())) - before), 5) == []
-    assert _shm_segments() <= shm_before
+    assert wait_gone(list(set(children(os.getpid())) - before), 5) == []
+    assert shm_segments() <= shm_before
 
 
 # -- AsyncLLM over the multiprocess executor (an engine-core process) ------------------
@@ -364,7 +249,7 @@ async def test_async_llm_streams_cancels_frees_blocks_and_shuts_down_cleanly(
     tiny_models, reference, capfd
 ):
     _, ref = reference
-    shm_before = _shm_segments()
+    shm_before = shm_segments()
     llm = await _start(tiny_models)
     core_pid = llm.engine_core_pid
     assert core_pid is not None
@@ -394,7 +279,7 @@ async def test_async_llm_streams_cancels_frees_blocks_and_shuts_down_cleanly(
     await asyncio.gather(*doomed, return_exceptions=True)
     assert_equal_under_tie_rule(
         ref["llama3"][2:6],
-        [_Tokens(t) for t in streams],
+        [StreamTokens(t) for t in streams],
         "AsyncLLM TP=2 streams",
     )
     deadline = time.monotonic() + 10
@@ -409,22 +294,15 @@ async def test_async_llm_streams_cancels_frees_blocks_and_shuts_down_cleanly(
     t0 = time.monotonic()
     await llm.shutdown()
     assert time.monotonic() - t0 < 5
-    assert _wait_gone([core_pid, *workers], 5) == []
+    assert wait_gone([core_pid, *workers], 5) == []
     err = capfd.readouterr().err
     for bad in ("ERROR", "Traceback", "leaked", "Warning"):
         assert bad not in err, err
-    assert _shm_segments() <= shm_before
-
-
-class _Tokens:
-    """A stream's tokens as an output the tie-rule check reads."""
-
-    def __init__(self, tokens: list[int]) -> None:
-        self.outputs = [type("C", (), {"token_ids": tokens})()]
+    assert shm_segments() <= shm_before
 
 
 async def test_a_worker_killed_mid_step_kills_the_engine_promptly(tiny_models):
-    shm_before = _shm_segments()
+    shm_before = shm_segments()
     llm = await _start(tiny_models)
     core_pid = llm.engine_core_pid
     workers = worker_pids(core_pid)
@@ -444,8 +322,8 @@ async def test_a_worker_killed_mid_step_kills_the_engine_promptly(tiny_models):
     assert all(isinstance(r, EngineDeadError) for r in results), results
     assert "worker rank 1" in str(results[0]) and "SIGKILL" in str(results[0]), results[0]
     await llm.shutdown()
-    assert _wait_gone([core_pid, *workers], 10) == []
-    assert _shm_segments() <= shm_before
+    assert wait_gone([core_pid, *workers], 10) == []
+    assert shm_segments() <= shm_before
 
 
 async def test_a_worker_that_dies_while_the_engine_is_idle_kills_it(tiny_models):
@@ -460,7 +338,7 @@ async def test_a_worker_that_dies_while_the_engine_is_idle_kills_it(tiny_models)
     with pytest.raises(EngineDeadError, match="worker rank 0"):
         await llm.check_health()
     await llm.shutdown()
-    assert _wait_gone([core_pid, *workers], 10) == []
+    assert wait_gone([core_pid, *workers], 10) == []
 
 
 async def test_a_killed_engine_core_takes_its_workers_with_it(tiny_models):
@@ -469,7 +347,7 @@ async def test_a_killed_engine_core_takes_its_workers_with_it(tiny_models):
     workers = worker_pids(core_pid)
     assert len(workers) == 2
     os.kill(core_pid, signal.SIGKILL)
-    assert _wait_gone(workers, 10) == []
+    assert wait_gone(workers, 10) == []
     with pytest.raises(EngineDeadError):
         async for _ in llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY):
             pass

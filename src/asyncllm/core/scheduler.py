@@ -78,7 +78,12 @@ class Scheduler:
     request's tokens (known ones plus output placeholders). Until that step is
     applied, its sample is an output placeholder (`Request.num_output_placeholders`
     grows by one), so the next step may schedule the decode of a token still in
-    flight (async scheduling; the runner feeds it from the device).
+    flight (async scheduling; the runner feeds it from the device). Not under pipeline
+    parallelism (`SchedulerConfig.runner_holds_samples` False), where the first stage
+    never holds what the last samples: a request with a token in flight waits until
+    that step is applied, and `scheduled_cached_reqs.new_token_ids` gives every rank
+    the tokens each held request computes, so the steps in flight at once (one per
+    stage) hold different requests.
 
     `update_from_output(sched, runner_output)` applies the step `sched` once, from the
     record made when it was scheduled: it expects `runner_output.sampled_token_ids`
@@ -273,6 +278,9 @@ class Scheduler:
         while i < len(self.running) and step.budget > 0:  # (ending a request replaces the list)
             req = self.running[i]
             pending = req.num_output_placeholders
+            if pending and not self.config.runner_holds_samples:
+                i += 1  # (pipeline stages: its next input is the token still in flight)
+                continue
             if pending and (
                 len(req.output_token_ids) + pending >= req.max_tokens
                 or req.num_tokens + pending >= max_len
@@ -481,7 +489,10 @@ class Scheduler:
         for one it holds."""
         new_data = []
         cached = CachedRequestData()
-        for req, before, blocks in zip(step.reqs, step.computed_before, step.new_block_ids):
+        send_tokens = not self.config.runner_holds_samples
+        for req, n, before, blocks in zip(
+            step.reqs, step.num_tokens, step.computed_before, step.new_block_ids
+        ):
             if blocks is None:  # admitted this step
                 new_data.append(
                     NewRequestData(
@@ -498,6 +509,8 @@ class Scheduler:
                 cached.req_ids.append(req.request_id)
                 cached.new_block_ids.append(blocks)
                 cached.num_computed_tokens.append(before)
+                if send_tokens:
+                    cached.new_token_ids.append(req.all_token_ids[before : before + n])
         return new_data, cached
 
     # -- structured outputs: the grammar fill (see core/grammar_fill.py) -----------

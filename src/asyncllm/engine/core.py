@@ -4,7 +4,8 @@ With async scheduling (`async_scheduling=True`, the default) up to two steps are
 flight: each `step()` schedules and launches the next step, then waits for the oldest
 one and applies its results, so the host schedules and prepares step N+1 (and sends
 step N's outputs) while the device runs it. Without it, each `step()` schedules, runs and
-applies one step.
+applies one step. Under pipeline parallelism up to `pipeline_parallel_size` steps are in
+flight (each stage runs a different one), holding different requests (see `Scheduler`).
 """
 
 from __future__ import annotations
@@ -74,7 +75,11 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.structured)
         self._block_hasher = BlockHasher(cache.block_size) if cache.enable_prefix_caching else None
         self._pending_outputs: list[EngineCoreOutput] = []
-        self._depth = 2 if config.scheduler.async_scheduling else 1
+        # Steps in flight at once: two with async scheduling, and one per pipeline stage
+        # (the batch queue: each stage runs its own step).
+        self._depth = max(
+            2 if config.scheduler.async_scheduling else 1, config.parallel.pipeline_parallel_size
+        )
         self._in_flight: deque[tuple[SchedulerOutput, StepFuture]] = deque()
         # The step launched last while its grammar fill runs (see `_finish_fill`).
         self._filling: tuple[StepFuture, FillJob | None] | None = None

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 import torch
 
+from asyncllm import envs
 from asyncllm.config import (
     CPU_BATCH_DEFAULTS,
     CUDA_BATCH_DEFAULTS,
@@ -31,6 +32,7 @@ from asyncllm.envs import cache_root
 from asyncllm.messages import ResolvedConfig
 from asyncllm.model.attention.registry import AttentionNeeds, find_attention_backend
 from asyncllm.model.layers.linear import shard_attention_heads
+from asyncllm.model.pipeline import stage_partition
 from asyncllm.model.source import resolve_model_path
 from asyncllm.sample.logits_processor import load_logits_processor_class
 
@@ -186,6 +188,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         policy=SchedulingPolicy(args.scheduling_policy),
         max_waiting_requests=args.max_waiting_requests,
         async_scheduling=args.async_scheduling,
+        runner_holds_samples=args.pipeline_parallel_size == 1,
     )
     cache = CacheConfig(
         block_size=args.block_size,
@@ -216,12 +219,29 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
 
 def check_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
     """Refuses, before any worker starts, a tensor-parallel size the model cannot be
-    sharded over (its attention heads, KV heads, MLP width) or a device count that is not
-    there; the message names the numbers."""
-    tp = parallel.tensor_parallel_size
+    sharded over (its attention heads, KV heads, MLP width), a pipeline that cannot
+    split its layers (or an ASYNCLLM_PP_LAYER_PARTITION that does not fit them), or a
+    device count that is not there; the message names the numbers."""
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    hf = model.hf_config
+    if pp > 1:
+        layers = int(getattr(hf, "num_hidden_layers", 0) or 0)
+        try:
+            stage_partition(layers, pp, envs.pp_layer_partition())
+        except ValueError as e:
+            raise ValueError(
+                f"pipeline_parallel_size={pp} cannot split {model.architecture}: {e}"
+            ) from None
+    if model.device.type == "cuda":
+        first = model.device.index or 0
+        have = torch.cuda.device_count()
+        if first + parallel.world_size > have:
+            raise ValueError(
+                f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs "
+                f"{parallel.world_size} GPUs from cuda:{first} on, but {have} are visible"
+            )
     if tp == 1:
         return
-    hf = model.hf_config
     heads = int(getattr(hf, "num_attention_heads", 0) or 0)
     kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
     what = f"tensor_parallel_size={tp} cannot shard {model.architecture}"
@@ -233,14 +253,6 @@ def check_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
     inter = int(getattr(hf, "intermediate_size", 0) or 0)
     if inter and inter % tp:
         raise ValueError(f"{what}: its intermediate_size ({inter}) is not divisible by {tp}")
-    if model.device.type == "cuda":
-        first = model.device.index or 0
-        have = torch.cuda.device_count()
-        if first + parallel.world_size > have:
-            raise ValueError(
-                f"tensor_parallel_size={tp} needs {parallel.world_size} GPUs from "
-                f"cuda:{first} on, but {have} are visible"
-            )
 
 
 def _capture_sizes(args: EngineArgs, device: torch.device, max_num_seqs: int) -> list[int]:

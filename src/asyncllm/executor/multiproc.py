@@ -239,10 +239,6 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         parallel = config.parallel
-        if parallel.pipeline_parallel_size != 1:
-            raise ValueError(
-                "the multiprocess executor runs pipeline_parallel_size=1 only (for now)"
-            )
         self.world_size = parallel.world_size
         self.tp_size = parallel.tensor_parallel_size
         # Rank 0 of the last pipeline stage has the sampled tokens.

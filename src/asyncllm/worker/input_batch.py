@@ -88,6 +88,22 @@ class InputBatch:
         self.block_table[row, n : n + len(block_ids)] = block_ids
         self.num_blocks[row] = n + len(block_ids)
 
+    def write_tokens(self, state: CachedRequestState, start: int, tokens: list[int]) -> None:
+        """The tokens at positions [start, start + len(tokens)) of a request, as the
+        scheduler sent them (a pipeline stage that samples nothing learns its requests'
+        new tokens so); those past the known ones are its new output tokens."""
+        end = start + len(tokens)
+        if not 0 <= start <= state.num_tokens or end > self.max_model_len:
+            raise RuntimeError(
+                f"request {state.req_id!r}: tokens [{start}, {end}) do not follow its "
+                f"{state.num_tokens} known tokens"
+            )
+        row = state.row
+        self.token_ids[row, start:end] = tokens
+        if end > state.num_tokens:
+            state.output_token_ids.extend(tokens[state.num_tokens - start :])
+            self.num_tokens[row] = end
+
     def mark_pending(self, rows: np.ndarray) -> None:
         """A launched step samples a token for each of these rows (unique)."""
         self.num_pending[rows] += 1

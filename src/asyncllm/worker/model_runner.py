@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from asyncllm.config import EngineConfig
+from asyncllm.distributed.parallel_state import get_pp_group
 from asyncllm.model.attention.backend import CommonAttentionMetadata
 from asyncllm.model.attention.registry import (
     AttentionCGSupport,
@@ -50,6 +51,7 @@ from asyncllm.model.attention.registry import (
 )
 from asyncllm.model.interface import CausalLM
 from asyncllm.model.loader import load_model
+from asyncllm.model.pipeline import HIDDEN_STATES, IntermediateTensors
 from asyncllm.request_checks import check_params_for_model, check_prompt_token_ids
 from asyncllm.sample.logits_processor import LogitsProcessor, load_logits_processor_class
 from asyncllm.step_io import (
@@ -84,6 +86,10 @@ class ModelRunner:
         max_blocks = -(-self.max_model_len // self.block_size)
         self.input_batch = InputBatch(sched.max_num_seqs, self.max_model_len, max_blocks)
         self.vocab_size = int(mc.hf_config.vocab_size)
+        # This rank's pipeline stage: a stage before the last hands its hidden states to
+        # the next and samples nothing; one after the first takes the previous one's.
+        self.pp = get_pp_group()
+        self.first_stage, self.last_stage = self.pp.is_first_rank, self.pp.is_last_rank
         # Decode batches up to the largest captured size are padded to a captured size
         # (and replayed as a graph on CUDA once captured).
         self.capture_sizes = self._capture_sizes()
@@ -125,6 +131,9 @@ class ModelRunner:
         """The configured decode graph sizes, unless the attention backend cannot run a
         one-token decode batch inside a CUDA graph (then every step runs eager)."""
         sizes = sorted(self.config.cudagraph_capture_sizes)
+        if sizes and self.pp.world_size > 1:
+            logger.info("no CUDA graphs at pipeline_parallel_size > 1 (yet): every step runs eager")
+            return []
         if sizes and self.attention.cudagraph_support == AttentionCGSupport.NEVER:
             logger.info(
                 "attention backend %s runs no CUDA graphs: every step runs eager",
@@ -178,6 +187,8 @@ class ModelRunner:
         launched with `grammar_bitmask_later`); hands back the result to come."""
         failed = self._update_states(so)
         scheduled = self._scheduled(so, failed)
+        if not self.last_stage:
+            return self._launch_stage(scheduled, failed)
         sync = self.grammar.sync(so)
         result = StepResult(self.in_flight, self.input_batch, failed)
         if not scheduled:
@@ -196,6 +207,17 @@ class ModelRunner:
             result.finish = finish  # (the forward is queued; `finish_launch` samples)
         else:
             finish()
+        return result
+
+    def _launch_stage(self, scheduled: dict[str, int], failed: dict[str, str]) -> StepResult:
+        """A pipeline stage before the last: runs its layers and sends its hidden states
+        to the next stage; its result samples nothing."""
+        result = StepResult(self.in_flight, self.input_batch, failed)
+        if scheduled:
+            inputs = self._prepare_inputs(scheduled)
+            self.forward(inputs.num_tokens, len(inputs.states), self.kv_caches)
+            self.input_batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
+        result.sampled([], {}, {}, None)
         return result
 
     def _scheduled(self, so: SchedulerOutput, failed: dict[str, str]) -> dict[str, int]:
@@ -272,14 +294,18 @@ class ModelRunner:
         cached = so.scheduled_cached_reqs
         requests = batch.requests
         rows, computed = [], []
-        for rid, blocks, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        # (a stage that samples holds its requests' tokens: the last one)
+        tokens = cached.new_token_ids if not self.last_stage else []
+        for i, (rid, blocks, num_computed) in enumerate(
+            zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens)
         ):
             state = requests.get(rid)
             if state is None:
                 continue  # the runner could not take it in an earlier step
             if blocks:
                 batch.append_blocks(state.row, blocks)
+            if tokens:
+                batch.write_tokens(state, num_computed, tokens[i])
             rows.append(state.row)
             computed.append(num_computed)
         if rows:
@@ -400,6 +426,42 @@ class ModelRunner:
         )
         return self.backend.build_metadata(common, self.block_size)
 
+    def forward(
+        self, T: int, S: int, kv_caches: list[torch.Tensor], inert: bool = False
+    ) -> torch.Tensor | None:
+        """The model over the first T tokens and S sequences of the step buffers: its
+        hidden states on the last pipeline stage, None on the others, which send theirs
+        to the next stage (a stage after the first receives the previous one's first).
+        An `inert` batch (start-up: profiling, capture, warm-up) passes nothing between
+        stages: a stage after the first runs on uninitialised inputs of the same shape."""
+        model = self.loaded_model()
+        received: IntermediateTensors | None = None
+        if not self.first_stage:
+            if inert:
+                received = model.make_empty_intermediate_tensors(T, self.dtype, self.device)
+            else:
+                received = self.pp.recv_tensor_dict()
+                got = received[HIDDEN_STATES].shape[0]
+                if got != T:
+                    raise RuntimeError(
+                        f"pipeline stage {self.pp.rank_in_group} received {got} tokens' "
+                        f"hidden states for a step of {T}: the stages' batches differ"
+                    )
+        out = model(
+            self.buffers.input_ids.device[:T],
+            self.buffers.positions.device[:T],
+            kv_caches,
+            self.attention_metadata(T, S),
+            received,
+        )
+        if self.last_stage:
+            assert isinstance(out, torch.Tensor)
+            return out
+        assert isinstance(out, dict)
+        if not inert:
+            self.pp.send_tensor_dict(out)
+        return None
+
     def _run_model(
         self, inputs: StepInputs, prompt_rows: list[PromptLogprobRows]
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -412,12 +474,8 @@ class ModelRunner:
             self.graphs.replay(size)
             return None, self.graph_logits[:S]
         T = size or inputs.num_tokens  # padded on the CPU too, to test the padding
-        hidden = model(
-            self.buffers.input_ids.device[:T],
-            self.buffers.positions.device[:T],
-            self.kv_caches,
-            self.attention_metadata(T, size or S),
-        )
+        hidden = self.forward(T, size or S, self.kv_caches)
+        assert hidden is not None  # (the last stage's)
         if not len(inputs.samples):
             return hidden, hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
         if len(inputs.samples) == T:

@@ -47,9 +47,9 @@ class RunnerStartup:
         buf.copy_to_device(S)
         scratch = r.kv_cache_tensors(1)
         model = r.loaded_model()
-        hidden = model(
-            buf.input_ids.device[:T], buf.positions.device[:T], scratch, r.attention_metadata(T, S)
-        )
+        hidden = r.forward(T, S, scratch, inert=True)
+        if hidden is None:  # a pipeline stage before the last: it samples nothing
+            return
         B = min(sched.max_num_seqs, T)
         logits = model.compute_logits(hidden[:B]).float()
         r.sampling.allocate_penalty_state()
@@ -90,14 +90,9 @@ class RunnerStartup:
             size = r.capture_sizes[-1]
             scratch = r.kv_cache_tensors(1)
             self._inert_decode_batch(size)
-            model = r.loaded_model()
-            hidden = model(
-                r.buffers.input_ids.device[:size],
-                r.buffers.positions.device[:size],
-                scratch,
-                r.attention_metadata(size, size),
-            )
-            model.compute_logits(hidden).float()
+            hidden = r.forward(size, size, scratch, inert=True)
+            assert hidden is not None  # (no graphs under pipeline parallelism)
+            r.loaded_model().compute_logits(hidden).float()
 
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> DecodeGraphs | None:
@@ -111,12 +106,8 @@ class RunnerStartup:
         model, out = r.loaded_model(), r.graph_logits
 
         def forward(size: int) -> None:
-            hidden = model(
-                r.buffers.input_ids.device[:size],
-                r.buffers.positions.device[:size],
-                r.kv_caches,
-                r.attention_metadata(size, size),
-            )
+            hidden = r.forward(size, size, r.kv_caches, inert=True)
+            assert hidden is not None  # (no graphs under pipeline parallelism)
             out[:size].copy_(model.compute_logits(hidden))
 
         r.graphs = DecodeGraphs(r.capture_sizes)
@@ -158,12 +149,7 @@ class RunnerStartup:
         lens = np.ones(num_seqs, dtype=np.int64)
         lens[-1] = 2
         T = self._inert_batch(lens)
-        r.loaded_model()(
-            r.buffers.input_ids.device[:T],
-            r.buffers.positions.device[:T],
-            r.kv_caches,
-            r.attention_metadata(T, num_seqs),
-        )
+        r.forward(T, num_seqs, r.kv_caches, inert=True)
 
     def _inert_decode_batch(self, size: int) -> None:
         """A decode batch of `size` one-token sequences that writes nothing."""
