@@ -34,7 +34,7 @@ from asyncllm.engine.core_config import (
         ({"gpu_memory_utilization": 1.5}, ValueError, "gpu_memory_utilization"),
         ({"tensor_parallel_size": 0}, ValueError, "tensor_parallel_size"),
         ({"pipeline_parallel_size": 0}, ValueError, "pipeline_parallel_size"),
-        ({"distributed_executor_backend": "ray"}, ValueError, "distributed_executor_backend"),
+        ({"distributed_executor_backend": "dask"}, ValueError, "distributed_executor_backend"),
         (
             {"tensor_parallel_size": 2, "distributed_executor_backend": "uni"},
             ValueError,

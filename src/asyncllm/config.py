@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import importlib.util
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
 
 DTYPE_NAMES = ("float32", "float", "float16", "half", "bfloat16")  # and "auto"
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
-EXECUTOR_BACKENDS = ("uni", "mp")  # and any Executor subclass as "module:Class"
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")  # and any Executor subclass as "module:Class"
 
 
 def is_torch_object(value: Any, type_name: str) -> bool:
@@ -96,7 +97,7 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    # "uni", "mp" or "module:Class" (resolved: None only where built by hand, as "uni")
+    # "uni", "mp", "ray" or "module:Class" (resolved: None only where built by hand, as "uni")
     distributed_executor_backend: str | None = None
 
     @property
@@ -209,8 +210,10 @@ class EngineArgs:
     split)."""
     distributed_executor_backend: str | None = None
     """The executor: uni (the model in the engine core's process, one rank only), mp
-    (one worker process per rank, steps broadcast over shared memory) or an Executor
-    subclass as module:Class; None: uni at one rank, mp above."""
+    (one worker process per rank, steps broadcast over shared memory), ray (one Ray
+    actor per rank, on the nodes of a Ray cluster: the `asyncllm[ray]` extra) or an
+    Executor subclass as module:Class; None: uni at one rank, mp above on one node, ray
+    where a CUDA world is larger than this machine's GPUs and Ray is installed."""
     logits_processors: list[str] | None = None
     """Logits processor classes (module:Class) applied to every request."""
     max_logprobs: int = 20
@@ -307,8 +310,13 @@ class EngineArgs:
         ):
             raise ValueError(
                 f"distributed_executor_backend {backend!r} is not available (this version has "
-                "'uni', the in-process executor, 'mp', one worker process per rank, or an "
-                "Executor subclass named 'module:Class')"
+                "'uni', the in-process executor, 'mp', one worker process per rank, 'ray', one "
+                "Ray actor per rank, or an Executor subclass named 'module:Class')"
+            )
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError(
+                "distributed_executor_backend 'ray' needs Ray, which is not installed: "
+                "pip install 'asyncllm[ray]'"
             )
         world = self.tensor_parallel_size * self.pipeline_parallel_size
         if backend == "uni" and world > 1:

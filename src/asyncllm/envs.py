@@ -21,7 +21,7 @@ so a test or a host that sets a variable before starting an engine is heard.
 - `ASYNCLLM_GRAMMAR_DEVICE_STEPS`: `0` has the host relay a constrained step's tokens to
   the grammar process and queue its sampling once the bitmask is filled, as on the CPU;
   by default, on CUDA with async scheduling, the device does both (default `1`).
-- `ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S`: how long the multiprocess executor waits for a
+- `ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S`: how long the multiprocess (or Ray) executor waits for a
   model step's result from its workers before the engine fails with a TimeoutError
   naming it (a worker stuck in a collective or a step; default `300`).
 - `ASYNCLLM_PP_LAYER_PARTITION`: comma-separated decoder-layer counts per pipeline stage

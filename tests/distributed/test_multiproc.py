@@ -212,9 +212,10 @@ def test_a_stalled_worker_ends_in_the_timeout_error(tiny_models, monkeypatch):
     try:
         os.kill(pids[1], signal.SIGSTOP)  # (rank 0 then waits in a collective for it)
         t0 = time.monotonic()
-        with pytest.raises(TimeoutError, match="ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S=2"):
+        with pytest.raises(EngineDeadError, match="ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S=2") as e:
             llm.generate(as_inputs(PROMPTS[:2]), GREEDY, use_tqdm=False)
         assert time.monotonic() - t0 < 10
+        assert isinstance(e.value.__cause__, TimeoutError)
     finally:
         llm.shutdown()
     assert wait_gone(pids, 5) == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -198,8 +199,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         gpu_memory_utilization=float(args.gpu_memory_utilization),
     )
     parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size)
-    parallel.distributed_executor_backend = args.distributed_executor_backend or (
-        "uni" if parallel.world_size == 1 else "mp"
+    parallel.distributed_executor_backend = args.distributed_executor_backend or default_backend(
+        parallel.world_size, model.device
     )
     check_parallel(parallel, model)
     return EngineConfig(
@@ -217,6 +218,20 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     )
 
 
+def default_backend(world_size: int, device: torch.device) -> str:
+    """ "uni" at one rank; "ray" where a CUDA world is larger than this machine's GPUs
+    and Ray is installed (the cluster has the rest); "mp" otherwise."""
+    if world_size == 1:
+        return "uni"
+    if (
+        device.type == "cuda"
+        and world_size > torch.cuda.device_count()
+        and importlib.util.find_spec("ray") is not None
+    ):
+        return "ray"
+    return "mp"
+
+
 def check_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
     """Refuses, before any worker starts, a tensor-parallel size the model cannot be
     sharded over (its attention heads, KV heads, MLP width), a pipeline that cannot
@@ -232,7 +247,7 @@ def check_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
             raise ValueError(
                 f"pipeline_parallel_size={pp} cannot split {model.architecture}: {e}"
             ) from None
-    if model.device.type == "cuda":
+    if model.device.type == "cuda" and parallel.distributed_executor_backend != "ray":
         first = model.device.index or 0
         have = torch.cuda.device_count()
         if first + parallel.world_size > have:

@@ -4,11 +4,27 @@ model): `LLM` imports this module only when asked for it."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from asyncllm.config import EngineArgs
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.core_config import create_engine_config, resolved_config
 from asyncllm.engine.host_client import EngineCoreClient
+from asyncllm.errors import EngineDeadError
 from asyncllm.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+
+
+@contextlib.contextmanager
+def _dead_on_worker_failure() -> Iterator[None]:
+    """A worker that died or stalled (the multiprocess and Ray executors) ends the engine
+    for good: EngineDeadError, as from an engine-core process."""
+    from asyncllm.executor.multiproc import StepTimeoutError, WorkerDiedError
+
+    try:
+        yield
+    except (WorkerDiedError, StepTimeoutError) as e:
+        raise EngineDeadError(f"the engine's workers failed: {e}") from e
 
 
 class InprocClient(EngineCoreClient):
@@ -26,10 +42,12 @@ class InprocClient(EngineCoreClient):
             self.core.abort_requests(request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
-        return self.core.step()
+        with _dead_on_worker_failure():
+            return self.core.step()
 
     def settle(self) -> None:
-        self.core.apply_steps_in_flight()
+        with _dead_on_worker_failure():
+            self.core.apply_steps_in_flight()
 
     def get_stats(self) -> SchedulerStats:
         return self.core.get_stats()

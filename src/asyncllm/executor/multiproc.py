@@ -118,6 +118,10 @@ class WorkerStartup(msgspec.Struct, kw_only=True):
     backend: str  # "gloo" or "nccl"
     result_rank: int  # the rank that writes the result queue
     steps: QueueHandle
+    steps_reader: int  # this worker's reader index on the step queue
+    # None: the core reads the result queue over shared memory (it shares the result
+    # rank's machine); else the result rank's address, where it serves it over TCP.
+    results_host: str | None = None
     config: dict[str, Any]  # `config_to_plain`
     threads: int  # torch's intra-op threads
 
@@ -206,15 +210,56 @@ def _exit_reason(code: int | None) -> str:
 
 
 @dataclasses.dataclass(eq=False)
-class _WorkerProc:
+class WorkerHandle:
+    """The core's side of one worker: what it said (`inbox`, and the error it sent
+    before exiting), and its life (a process here; a Ray actor in ray_distributed.py)."""
+
     rank: int
+    inbox: deque[Any] = dataclasses.field(default_factory=deque, kw_only=True)
+    eof: bool = dataclasses.field(default=False, kw_only=True)  # its replies have ended
+    error: WorkerError | None = dataclasses.field(default=None, kw_only=True)
+
+    @property
+    def pid(self) -> int:
+        raise NotImplementedError
+
+    def poll(self) -> int | None:
+        """Its exit code (negative: the signal that killed it), None while it runs."""
+        raise NotImplementedError
+
+    def wait(self, timeout: float) -> None:
+        """Waits up to `timeout` seconds for it to end."""
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return f"pid {self.pid}"
+
+
+@dataclasses.dataclass(eq=False)
+class _WorkerProc(WorkerHandle):
     proc: subprocess.Popen
     replies: int  # the read end of its reply pipe (non-blocking)
     pending: bytearray = dataclasses.field(default_factory=bytearray)
-    inbox: deque[Any] = dataclasses.field(default_factory=deque)
-    eof: bool = False
-    error: WorkerError | None = None  # the last error it sent before exiting
     pidfd: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return int(self.proc.pid)
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def wait(self, timeout: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                self.proc.kill()
 
 
 class _StepFuture:
@@ -248,7 +293,7 @@ class MultiprocExecutor(Executor):
         self._failure: BaseException | None = None
         self._callbacks: list[Any] = []
         self._stopping = False
-        self._workers: list[_WorkerProc] = []
+        self._workers: list[Any] = []  # WorkerHandle, by rank
         self._steps: ShmQueue | None = None
         self._results: ShmQueue | None = None
         self._result_handle: QueueHandle | None = None
@@ -273,28 +318,106 @@ class MultiprocExecutor(Executor):
     # -- start-up ------------------------------------------------------------------------
 
     def _start_workers(self) -> None:
+        """Starts one worker per rank and waits until every one has built its model and
+        attached to the step queue; then the result queue is attached and the monitor
+        started. The placement (`_local_ranks`, `_queue_host`, `_init_method`) and the
+        launch (`_launch`) are the subclass's to change."""
         t0 = time.monotonic()
         config = self.config
         device = config.model.device
         cuda = device.type == "cuda"
         world = self.world_size
-        threads = config.cpu_threads or max(1, len(envs.available_cpus()) // world)
-        spin = DEFAULT_SPIN_S if cuda else CPU_SPIN_S
+        local = self._local_ranks()
         self._steps = ShmQueue(
-            world,
+            len(local),
+            world - len(local),
             name="steps",
             n_chunks=STEP_QUEUE_CHUNKS,
             chunk_bytes=STEP_QUEUE_CHUNK_BYTES,
-            spin_s=spin,
+            remote_host=self._queue_host() if len(local) < world else None,
+            spin_s=DEFAULT_SPIN_S if cuda else CPU_SPIN_S,
         )
+        readers = local + [r for r in range(world) if r not in local]
+        plain = config_to_plain(config)
+        init_method = self._init_method()
+        steps = self._steps.export_handle()
+        startups = [
+            WorkerStartup(
+                rank=rank,
+                world_size=world,
+                tensor_parallel_size=self.tp_size,
+                pipeline_parallel_size=config.parallel.pipeline_parallel_size,
+                local_rank=self._device_index(rank),
+                init_method=init_method,
+                backend="nccl" if cuda else "gloo",
+                result_rank=self.result_rank,
+                steps=steps,
+                steps_reader=readers.index(rank),
+                results_host=None if self.result_rank in local else self._worker_host(rank),
+                config=plain,
+                threads=self._threads(),
+            )
+            for rank in range(world)
+        ]
+        self._launch(startups)
+        ready = self._collect(WorkerReady, None, starting=True)
+        handle = ready[self.result_rank].results
+        if handle is None:
+            raise WorkerDiedError(f"worker rank {self.result_rank} sent no result queue")
+        self._result_handle = handle
+        self._results = ShmQueue.attach(handle, 0)
+        # Every worker has attached: the step queue's names go from /dev/shm and /tmp
+        # (the mapping lives on), so nothing is left there whatever dies from now on.
+        self._steps.wait_for_readers(timeout=READERS_TIMEOUT_S)
+        self._ready = True
+        self._start_monitor()
+        self._startup["start workers"] = time.monotonic() - t0
+        logger.info(
+            "%d workers started in %.1f s (%s, %d torch thread(s) each)",
+            world,
+            time.monotonic() - t0,
+            "NCCL" if cuda else "gloo",
+            startups[0].threads,
+        )
+
+    # -- placement and launch (what a subclass changes) ------------------------------------
+
+    def _local_ranks(self) -> list[int]:
+        """The ranks whose workers share this machine (they read the step queue's shared
+        memory; the others its TCP socket): all of them here."""
+        return list(range(self.world_size))
+
+    def _queue_host(self) -> str:
+        """The address remote readers reach this process at."""
+        raise NotImplementedError("every worker of the multiprocess executor is local")
+
+    def _worker_host(self, rank: int) -> str:
+        """The address of the machine worker `rank` runs on, as this process reaches it."""
+        raise NotImplementedError("every worker of the multiprocess executor is local")
+
+    def _init_method(self) -> str:
+        """torch.distributed's rendezvous (rank 0 serves it)."""
+        return f"tcp://127.0.0.1:{_free_port()}"
+
+    def _device_index(self, rank: int) -> int:
+        """Worker `rank`'s CUDA device index (its local rank): the engine's device's
+        index plus its rank, here."""
+        device = self.config.model.device
+        return (device.index or 0) + rank if device.type == "cuda" else 0
+
+    def _threads(self) -> int:
+        """torch's intra-op threads per worker: the CPUs here shared out."""
+        return self.config.cpu_threads or max(1, len(envs.available_cpus()) // self.world_size)
+
+    def _launch(self, startups: list[WorkerStartup]) -> None:
+        """Starts worker `startups[r].rank` for each, as `python -m
+        asyncllm.executor.multiproc_worker`, and hands it its startup message."""
         env = envs.child_process_env()
-        env["OMP_NUM_THREADS"] = str(threads)
+        env["OMP_NUM_THREADS"] = str(startups[0].threads)
         if "GLOO_SOCKET_IFNAME" not in env and Path("/sys/class/net/lo").exists():
             env["GLOO_SOCKET_IFNAME"] = "lo"  # every rank is on this machine
-        plain = config_to_plain(config)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        first = (device.index or 0) if cuda else 0
-        for rank in range(world):
+        for startup in startups:
+            rank = startup.rank
             read_end, write_end = os.pipe()
             try:
                 proc = start_child(
@@ -320,21 +443,7 @@ class MultiprocExecutor(Executor):
             finally:
                 os.close(write_end)
             os.set_blocking(read_end, False)
-            worker = _WorkerProc(rank, proc, read_end)
-            self._workers.append(worker)
-            startup = WorkerStartup(
-                rank=rank,
-                world_size=world,
-                tensor_parallel_size=self.tp_size,
-                pipeline_parallel_size=config.parallel.pipeline_parallel_size,
-                local_rank=first + rank,
-                init_method=init_method,
-                backend="nccl" if cuda else "gloo",
-                result_rank=self.result_rank,
-                steps=self._steps.export_handle(),
-                config=plain,
-                threads=threads,
-            )
+            self._workers.append(_WorkerProc(rank, proc=proc, replies=read_end))
             stdin: IO[bytes] | None = proc.stdin
             assert stdin is not None
             try:
@@ -342,16 +451,19 @@ class MultiprocExecutor(Executor):
                 stdin.flush()
             except OSError:
                 pass  # (it died at once: the wait for it says why)
-        ready = self._collect(WorkerReady, None, starting=True)
-        handle = ready[self.result_rank].results
-        if handle is None:
-            raise WorkerDiedError(f"worker rank {self.result_rank} sent no result queue")
-        self._result_handle = handle
-        self._results = ShmQueue.attach(handle, 0)
-        # Every worker has attached: the step queue's names go from /dev/shm and /tmp
-        # (the mapping lives on), so nothing is left there whatever dies from now on.
-        self._steps.wait_for_readers(timeout=READERS_TIMEOUT_S)
-        self._ready = True
+
+    def _release_workers(self) -> None:
+        """What is left of the workers once they are gone (shutdown): their pipes."""
+        for w in self._workers:
+            if w.proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    w.proc.stdin.close()
+            for fd in (w.replies, w.pidfd):
+                if fd is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+
+    def _start_monitor(self) -> None:
         for w in self._workers:
             with contextlib.suppress(OSError, AttributeError):
                 w.pidfd = os.pidfd_open(w.proc.pid)
@@ -359,18 +471,10 @@ class MultiprocExecutor(Executor):
             target=self._watch_workers, name="asyncllm-worker-monitor", daemon=True
         )
         self._monitor.start()
-        self._startup["start workers"] = time.monotonic() - t0
-        logger.info(
-            "%d workers started in %.1f s (%s, %d torch thread(s) each)",
-            world,
-            time.monotonic() - t0,
-            "NCCL" if cuda else "gloo",
-            threads,
-        )
 
     # -- the reply pipes -------------------------------------------------------------------
 
-    def _drain(self, w: _WorkerProc) -> None:
+    def _drain(self, w: Any) -> None:
         """Reads what worker `w` has written to its pipe into its inbox (no wait)."""
         with self._pipe_lock:
             while not w.eof:
@@ -390,22 +494,37 @@ class MultiprocExecutor(Executor):
                     break
                 body = bytes(w.pending[_LEN_BYTES : _LEN_BYTES + size])
                 del w.pending[: _LEN_BYTES + size]
-                try:
-                    msg = _MESSAGE_DECODER.decode(body)
-                except msgspec.DecodeError as e:
-                    logger.warning("worker rank %d sent a malformed reply: %s", w.rank, e)
-                    continue
-                if isinstance(msg, WorkerError) and msg.call_id is None:
-                    w.error = msg
-                else:
-                    w.inbox.append(msg)
+                self._deliver(body, w)
 
-    def _death(self, w: _WorkerProc, starting: bool = False) -> WorkerDiedError:
+    def _deliver(self, body: bytes, w: WorkerHandle | None = None) -> None:
+        """A reply into its worker's inbox (`w`, or the rank it names); the error a
+        worker sends as it exits is kept apart."""
+        try:
+            msg = _MESSAGE_DECODER.decode(body)
+        except msgspec.DecodeError as e:
+            logger.warning("a worker sent a malformed reply: %s", e)
+            return
+        if w is None:
+            if not 0 <= msg.rank < len(self._workers):
+                logger.warning("a reply from an unknown worker rank %d", msg.rank)
+                return
+            w = self._workers[msg.rank]
+        if isinstance(msg, WorkerError) and msg.call_id is None:
+            w.error = msg
+        else:
+            w.inbox.append(msg)
+
+    def _wait_for_replies(self, waiting: list[Any], timeout: float) -> None:
+        """Returns when one of `waiting` may have written, or after `timeout` s."""
+        fds = [w.replies for w in waiting if not w.eof]
+        select.select(fds, [], [], timeout)
+
+    def _death(self, w: Any, starting: bool = False) -> WorkerDiedError:
         """The error for worker `w`'s exit, with the reason it sent (if any)."""
         self._drain(w)
-        code = w.proc.poll()
+        code = w.poll()
         what = "while starting" if starting else ""
-        reason = f"worker rank {w.rank} (pid {w.proc.pid}) died {what}".rstrip()
+        reason = f"worker rank {w.rank} ({w.describe()}) died {what}".rstrip()
         reason += f": {_exit_reason(code)}"
         if w.error is not None:
             reason += f"; it reported {w.error.error_type}: {w.error.message}"
@@ -436,10 +555,9 @@ class MultiprocExecutor(Executor):
                             out[w.rank] = msg.value
                 if w.rank in out:
                     continue
-                if w.error is not None or w.eof or w.proc.poll() is not None:
+                if w.error is not None or w.eof or w.poll() is not None:
                     # (it is on its way out, or gone: a moment to finish, then say why)
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        w.proc.wait(1.0)
+                    w.wait(1.0)
                     if starting and w.error is not None:
                         e = w.error
                         raise _rebuild_error(
@@ -447,8 +565,7 @@ class MultiprocExecutor(Executor):
                         )
                     raise self._death(w, starting)
             if len(out) < len(self._workers):
-                fds = [w.replies for w in self._workers if w.rank not in out and not w.eof]
-                select.select(fds, [], [], 0.1)
+                self._wait_for_replies([w for w in self._workers if w.rank not in out], 0.1)
         return out
 
     def _call(self, method: str, *args: Any) -> dict[int, Any]:
@@ -462,29 +579,31 @@ class MultiprocExecutor(Executor):
 
     def _watch_workers(self) -> None:
         """The monitor thread: a worker that exits while the engine runs fails it."""
+        while self._wait_for_exit() and not self._stopping:
+            dead = [w for w in self._workers if w.poll() is not None]
+            if not dead:
+                continue
+            if not self._stopping:
+                # A worker killed by a signal first: its peers' errors (a collective
+                # whose peer is gone) follow from it.
+                dead.sort(key=lambda w: (int(w.poll() or 0) >= 0, w.rank))
+                error = self._death(dead[0])
+                if len(dead) > 1:
+                    others = ", ".join(f"rank {w.rank} {_exit_reason(w.poll())}" for w in dead[1:])
+                    error = WorkerDiedError(f"{error} (also ended: {others})")
+                self._fail(error)
+            return
+
+    def _wait_for_exit(self) -> bool:
+        """Returns when a worker may have ended (True), or when the monitor must stop
+        (False: woken by shutdown)."""
         pidfds = [w.pidfd for w in self._workers if w.pidfd is not None]
         timeout = None if len(pidfds) == len(self._workers) else 0.2
-        while True:
-            try:
-                ready = select.select([self._wake_r, *pidfds], [], [], timeout)[0]
-            except (OSError, ValueError):
-                return  # (closed under us: shutting down)
-            if self._wake_r in ready or self._stopping:
-                return
-            dead = [w for w in self._workers if w.proc.poll() is not None]
-            if dead:
-                if not self._stopping:
-                    # A worker killed by a signal first: its peers' errors (a collective
-                    # whose peer is gone) follow from it.
-                    dead.sort(key=lambda w: (int(w.proc.returncode or 0) >= 0, w.rank))
-                    error = self._death(dead[0])
-                    if len(dead) > 1:
-                        others = ", ".join(
-                            f"rank {w.rank} {_exit_reason(w.proc.returncode)}" for w in dead[1:]
-                        )
-                        error = WorkerDiedError(f"{error} (also ended: {others})")
-                    self._fail(error)
-                return
+        try:
+            ready = select.select([self._wake_r, *pidfds], [], [], timeout)[0]
+        except (OSError, ValueError):
+            return False  # (closed under us: shutting down)
+        return self._wake_r not in ready
 
     def _fail(self, error: BaseException) -> None:
         """The executor has failed for good: wake anything waiting on a queue, kill the
@@ -510,9 +629,7 @@ class MultiprocExecutor(Executor):
 
     def _kill_workers(self) -> None:
         for w in self._workers:
-            if w.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, OSError):
-                    w.proc.kill()
+            w.kill()
 
     def _raise_if_failed(self) -> None:
         failure = self._failure
@@ -633,7 +750,7 @@ class MultiprocExecutor(Executor):
 
     @property
     def worker_pids(self) -> list[int]:
-        return [w.proc.pid for w in self._workers]
+        return [w.pid for w in self._workers]
 
     def shutdown(self) -> None:
         """Graceful (a SHUTDOWN call, then a wait), then forced (SIGKILL); the queues and
@@ -643,7 +760,7 @@ class MultiprocExecutor(Executor):
                 return
             self._stopping = True
             failed = self._failure is not None or not self._ready
-        alive = [w for w in self._workers if w.proc.poll() is None]
+        alive = [w for w in self._workers if w.poll() is None]
         if alive and not failed and self._steps is not None and not self._steps.closed:
             try:
                 message = ControlCall(next(self._call_ids), "shutdown")
@@ -652,29 +769,20 @@ class MultiprocExecutor(Executor):
                 pass
         deadline = time.monotonic() + (0 if failed else GRACEFUL_EXIT_S)
         for w in self._workers:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                w.proc.wait(max(0.0, deadline - time.monotonic()))
-        left = [w.rank for w in self._workers if w.proc.poll() is None]
+            w.wait(max(0.0, deadline - time.monotonic()))
+        left = [w.rank for w in self._workers if w.poll() is None]
         if left and not failed:
             logger.warning(
                 "worker rank(s) %s did not exit in %.0f s: killed", left, GRACEFUL_EXIT_S
             )
         self._kill_workers()
         for w in self._workers:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                w.proc.wait(KILL_WAIT_S)
+            w.wait(KILL_WAIT_S)
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(KILL_WAIT_S)
-        for w in self._workers:
-            if w.proc.stdin is not None:
-                with contextlib.suppress(OSError):
-                    w.proc.stdin.close()
-            for fd in (w.replies, w.pidfd):
-                if fd is not None:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
+        self._release_workers()
         if self._results is not None:
             self._results.close(unlink=True)  # (its writer, killed, may not have)
         handle = self._result_handle

@@ -185,11 +185,14 @@ class WorkerProc:
         self.worker.runner.grammar.memory = self.masks
         self.encoder = StepEncoder()
         self.decoder = StepDecoder()
-        self.steps = ShmQueue.attach(startup.steps, startup.rank)
+        self.steps = ShmQueue.attach(startup.steps, startup.steps_reader)
         handle = None
         if startup.rank == startup.result_rank:
+            remote = startup.results_host is not None  # (the core is on another machine)
             self.results = ShmQueue(
-                1,
+                0 if remote else 1,
+                1 if remote else 0,
+                remote_host=startup.results_host,
                 name="results",
                 n_chunks=RESULT_QUEUE_CHUNKS,
                 chunk_bytes=STEP_QUEUE_CHUNK_BYTES,
@@ -290,6 +293,35 @@ class WorkerProc:
                     logger.exception("worker rank %d: closing %r failed", self.rank, q)
 
 
+def serve(startup: Any, replies: Any) -> int:
+    """One rank's life once started: its groups and model, the step loop, the release;
+    an error is logged and sent on `replies` (a `WorkerError`). The exit code: 0 after
+    SHUTDOWN (or the queue's close), 1 after an error."""
+    from asyncllm.executor.multiproc import WorkerError
+
+    proc: WorkerProc | None = None
+    try:
+        proc = WorkerProc(startup, replies)
+        proc.run()
+    except BaseException as e:  # noqa: BLE001 (reported, then the worker exits)
+        logger.exception("worker rank %d failed", startup.rank)
+        try:
+            replies.send(
+                WorkerError(rank=startup.rank, error_type=type(e).__name__, message=str(e))
+            )
+        except OSError:
+            pass
+        if proc is not None:  # (no collective: the peers may be stuck in one)
+            proc.close_queues()
+        return 1
+    try:
+        proc.close()
+    except Exception:  # noqa: BLE001
+        logger.exception("worker rank %d: release failed", startup.rank)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="asyncllm worker process")
     parser.add_argument("--rank", type=int, required=True)
@@ -310,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import msgspec
 
-        from asyncllm.executor.multiproc import WorkerError, WorkerStartup
+        from asyncllm.executor.multiproc import WorkerStartup
 
         stdin = sys.stdin.fileno()
         try:
@@ -319,26 +351,7 @@ def main(argv: list[str] | None = None) -> None:
         except EOFError:
             os._exit(0)  # (the core is gone already)
         threading.Thread(target=_watch_stdin, args=(stdin,), daemon=True, name="core-watch").start()
-        proc: WorkerProc | None = None
-        try:
-            proc = WorkerProc(startup, replies)
-            proc.run()
-        except BaseException as e:  # noqa: BLE001 (reported, then the worker exits)
-            logger.exception("worker rank %d failed", args.rank)
-            try:
-                replies.send(
-                    WorkerError(rank=args.rank, error_type=type(e).__name__, message=str(e))
-                )
-            except OSError:
-                pass
-            if proc is not None:  # (no collective: the peers may be stuck in one)
-                proc.close_queues()
-        else:
-            try:
-                proc.close()
-                code = 0
-            except Exception:  # noqa: BLE001
-                logger.exception("worker rank %d: release failed", args.rank)
+        code = serve(startup, replies)
     finally:
         sys.stderr.flush()
         os._exit(code)

@@ -1,6 +1,8 @@
 """Which executor an engine uses: "uni" (the in-process one), "mp" (one worker process
-per rank), or an Executor subclass named by `distributed_executor_backend="module:Class"`.
-None picks "uni" at world size 1 and "mp" above."""
+per rank), "ray" (one Ray actor per rank, on any node of a Ray cluster), or an Executor
+subclass named by `distributed_executor_backend="module:Class"`. None picks "uni" at
+world size 1 and "mp" above (the engine's configuration resolves it first: see
+`engine/core_config.py`)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,10 @@ def get_executor_class(config: EngineConfig) -> type[Executor]:
         from asyncllm.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor
+    if backend == "ray":
+        from asyncllm.executor.ray_distributed import RayDistributedExecutor
+
+        return RayDistributedExecutor
     module_name, _, attr = backend.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), attr)
