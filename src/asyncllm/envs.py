@@ -26,6 +26,9 @@ so a test or a host that sets a variable before starting an engine is heard.
   naming it (a worker stuck in a collective or a step; default `300`).
 - `ASYNCLLM_PP_LAYER_PARTITION`: comma-separated decoder-layer counts per pipeline stage
   (e.g. `12,12`), overriding the even split; read only at `pipeline_parallel_size` > 1.
+- `ASYNCLLM_WORKER_START_TIMEOUT_S`: how long the multiprocess (or Ray) executor waits for
+  every worker to build its model before the start fails, naming the ranks not ready (a
+  rendezvous that never completes, a stalled load; default `900`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ VARIABLES = (
     "ASYNCLLM_GRAMMAR_DEVICE_STEPS",
     "ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S",
     "ASYNCLLM_PP_LAYER_PARTITION",
+    "ASYNCLLM_WORKER_START_TIMEOUT_S",
 )
 PP_LAYER_PARTITION = "ASYNCLLM_PP_LAYER_PARTITION"
 
@@ -130,19 +134,28 @@ def grammar_threads() -> int:
     return int(value)
 
 
-def execute_model_timeout_s() -> float:
-    """How long the multiprocess executor waits for one step's result
-    ($ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S, seconds, default 300)."""
-    value = os.environ.get("ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S", "300")
+def _positive_seconds(name: str, value: str) -> float:
     try:
         seconds = float(value)
     except ValueError:
         seconds = -1.0
     if not seconds > 0:
-        raise ValueError(
-            f"ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S must be a positive number of seconds, got {value!r}"
-        )
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     return seconds
+
+
+def execute_model_timeout_s() -> float:
+    """How long the multiprocess executor waits for one step's result
+    ($ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S, seconds, default 300)."""
+    value = os.environ.get("ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S", "300")
+    return _positive_seconds("ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S", value)
+
+
+def worker_start_timeout_s() -> float:
+    """How long the multiprocess executor waits for its workers to start
+    ($ASYNCLLM_WORKER_START_TIMEOUT_S, seconds, default 900)."""
+    value = os.environ.get("ASYNCLLM_WORKER_START_TIMEOUT_S", "900")
+    return _positive_seconds("ASYNCLLM_WORKER_START_TIMEOUT_S", value)
 
 
 def pp_layer_partition() -> str | None:

@@ -38,6 +38,16 @@ def test_throughput(capsys, engine_flags):
     assert engine["max_num_batched_tokens"] == 16384
 
 
+@pytest.mark.parametrize("kind", ["prefill", "shared-prefix"])
+def test_throughput_on_a_fixed_workload(capsys, engine_flags, kind):
+    flags = ["--workload", kind, "--num-prompts", "4", "--prompt-len", "40", "--output-len", "3"]
+    result = throughput.main([*engine_flags, *flags])
+    assert last_json_line(capsys) == result
+    tail = 64 if kind == "shared-prefix" else 0
+    assert result["workload"] == kind and result["temperature"] == 0.0
+    assert result["prompt_tokens"] == 4 * (40 + tail) and result["output_tokens"] == 12
+
+
 def test_latency(capsys, engine_flags):
     args = ["--input-len", "16", "--output-len", "8", "--iters", "2", "--hbm-bandwidth", "1e10"]
     result = latency.main([*engine_flags, *args])

@@ -12,6 +12,7 @@ import torch
 from asyncllm.bench.common import (
     DEFAULT_WORKLOAD_OUTPUT_TOKENS,
     format_table,
+    make_fixed_workload,
     make_workload,
     percentile,
 )
@@ -52,6 +53,23 @@ def test_a_scaled_workload_keeps_its_bounds():
     assert all(3 <= m <= 32 for m in max_tokens)
     prompts, max_tokens = make_workload(4, max_input_len=8, min_input_len=8, min_output_len=5)
     assert {len(p) for p in prompts} == {8} and all(5 <= m <= 1024 for m in max_tokens)
+
+
+def test_the_fixed_workloads():
+    prompts, max_tokens, temperature = make_fixed_workload("prefill")
+    assert len(prompts) == 256 and {len(p) for p in prompts} == {3000}
+    assert set(max_tokens) == {16} and temperature == 0.0
+    assert len({tuple(p) for p in prompts}) == 256
+    prompts, max_tokens, temperature = make_fixed_workload("shared-prefix")
+    assert len(prompts) == 512 and {len(p) for p in prompts} == {2048 + 64}
+    assert set(max_tokens) == {64} and temperature == 0.0
+    assert len({tuple(p[:2048]) for p in prompts}) == 1  # one prefix
+    assert len({tuple(p[2048:]) for p in prompts}) == 512  # tails of their own
+    small = make_fixed_workload("shared-prefix", 3, 10, 2, seed=1)
+    assert [len(p) for p in small[0]] == [74] * 3 and small[1] == [2] * 3
+    assert small == make_fixed_workload("shared-prefix", 3, 10, 2, seed=1)  # seeded
+    with pytest.raises(ValueError, match="unknown workload 'decode'"):
+        make_fixed_workload("decode")
 
 
 def test_the_latency_prompt():

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import time
 from pathlib import Path
 
 from asyncllm import SamplingParams
+from asyncllm.executor.multiproc import MultiprocExecutor
 from tests.model.helpers import TIE_TOLERANCE
 
 TINY = dict(
@@ -111,3 +113,12 @@ class StreamTokens:
 
     def __init__(self, tokens: list[int]) -> None:
         self.outputs = [type("C", (), {"token_ids": tokens})()]
+
+
+class StallingExecutor(MultiprocExecutor):
+    """The multiprocess executor with worker rank 1 stopped (SIGSTOP) as soon as it is
+    started: it never says it is ready."""
+
+    def _launch(self, startups) -> None:
+        super()._launch(startups)
+        os.kill(self._workers[1].pid, signal.SIGSTOP)

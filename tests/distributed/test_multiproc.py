@@ -221,6 +221,22 @@ def test_a_stalled_worker_ends_in_the_timeout_error(tiny_models, monkeypatch):
     assert wait_gone(pids, 5) == []
 
 
+def test_a_worker_that_never_starts_ends_in_the_start_timeout(tiny_models, monkeypatch):
+    monkeypatch.setenv("ASYNCLLM_WORKER_START_TIMEOUT_S", "3")
+    before = set(children(os.getpid()))
+    t0 = time.monotonic()
+    with pytest.raises(EngineStartupError, match=r"worker rank\(s\) \[0, 1\] did not start within"):
+        LLM(
+            str(tiny_models["llama3"]),
+            multiprocess=False,
+            tensor_parallel_size=2,
+            distributed_executor_backend="tests.distributed.engines:StallingExecutor",
+            **TINY,
+        )
+    assert time.monotonic() - t0 < 15
+    assert wait_gone(list(set(children(os.getpid())) - before), 5) == []
+
+
 def test_a_worker_error_at_start_up_is_raised_as_is_and_leaves_nothing(tiny_models):
     before = set(children(os.getpid()))
     shm_before = shm_segments()

@@ -149,9 +149,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-def add_workload_args(parser: argparse.ArgumentParser, count_flag: str, count: int) -> None:
+def add_workload_args(
+    parser: argparse.ArgumentParser, count_flag: str, count: int | None, count_help: str = ""
+) -> None:
     g = parser.add_argument_group("workload")
-    g.add_argument(count_flag, type=int, default=count, help=f"how many prompts (default {count})")
+    g.add_argument(
+        count_flag,
+        type=int,
+        default=count,
+        help=count_help or f"how many prompts (default {count})",
+    )
     g.add_argument("--seed", type=int, default=0, help="the workload's random seed (default 0)")
     for kind, default in (("input", MAX_INPUT_LEN), ("output", MAX_OUTPUT_LEN)):
         g.add_argument(
@@ -237,6 +244,46 @@ def make_workload(
     ]
     max_tokens = [rng.randint(lo_out, max_output_len) for _ in range(num_prompts)]
     return prompts, max_tokens
+
+
+# The workloads of `asyncllm.bench.throughput --workload`: name -> (prompts, prompt
+# tokens (a shared-prefix workload: the prefix), distinct tail tokens, output tokens,
+# temperature); None for nano-vllm's (its own draws, `make_workload`).
+FIXED_WORKLOADS: dict[str, tuple[int, int, int, int, float]] = {
+    # Prefill-heavy: 256 distinct prompts of 3,000 ids, 16 greedy tokens each.
+    "prefill": (256, 3000, 0, 16, 0.0),
+    # One 2,048-token prefix shared by 512 prompts, each ending in 64 ids of its own;
+    # 64 greedy tokens each (the prefix cache serves the prefix after its first prefill).
+    "shared-prefix": (512, 2048, 64, 64, 0.0),
+}
+
+
+def make_fixed_workload(
+    kind: str,
+    num_prompts: int | None = None,
+    prompt_len: int | None = None,
+    output_len: int | None = None,
+    seed: int = 0,
+    max_token_id: int = MAX_TOKEN_ID,
+) -> tuple[list[list[int]], list[int], float]:
+    """(prompts, max_tokens of each, temperature) of a FIXED_WORKLOADS entry; the counts
+    override its prompts, its prompt (or prefix) length and its output tokens. The ids
+    are random (a shared-prefix prompt's tail too), so prompts share nothing by chance."""
+    if kind not in FIXED_WORKLOADS:
+        raise ValueError(f"unknown workload {kind!r} (known: {', '.join(FIXED_WORKLOADS)})")
+    n, length, tail, out, temperature = FIXED_WORKLOADS[kind]
+    n = n if num_prompts is None else num_prompts
+    length = length if prompt_len is None else prompt_len
+    out = out if output_len is None else output_len
+    if n < 1 or length < 1 or out < 1 or max_token_id < 1:
+        raise ValueError("the workload needs at least one prompt and positive lengths")
+    rng = random.Random(seed)
+    if tail:
+        prefix = [rng.randint(0, max_token_id) for _ in range(length)]
+        prompts = [prefix + [rng.randint(0, max_token_id) for _ in range(tail)] for _ in range(n)]
+    else:
+        prompts = [[rng.randint(0, max_token_id) for _ in range(length)] for _ in range(n)]
+    return prompts, [out] * n, temperature
 
 
 def workload_from_args(

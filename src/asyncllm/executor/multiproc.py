@@ -99,6 +99,10 @@ class WorkerDiedError(RuntimeError):
     """A worker process ended, or failed, while the engine needed it."""
 
 
+class WorkerStartTimeoutError(TimeoutError):
+    """Not every worker started within ASYNCLLM_WORKER_START_TIMEOUT_S."""
+
+
 class StepTimeoutError(TimeoutError):
     """No result came for a model step within ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S."""
 
@@ -535,9 +539,17 @@ class MultiprocExecutor(Executor):
         (WorkerReady) or its value (WorkerReply). An error answer raises at once; so
         does a worker's death, or the executor's failure."""
         out: dict[int, Any] = {}
+        deadline = time.monotonic() + envs.worker_start_timeout_s() if starting else None
         while len(out) < len(self._workers):
             if not starting:
                 self._raise_if_failed()
+            elif deadline is not None and time.monotonic() > deadline:
+                late = [w.rank for w in self._workers if w.rank not in out]
+                raise WorkerStartTimeoutError(
+                    f"worker rank(s) {late} did not start within "
+                    f"ASYNCLLM_WORKER_START_TIMEOUT_S={envs.worker_start_timeout_s():g} s (a "
+                    "rendezvous that never completes, or a model load that stalled)"
+                )
             waiting = [w for w in self._workers if w.rank not in out]
             for w in waiting:
                 self._drain(w)

@@ -47,6 +47,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from asyncllm import envs
 from asyncllm.config import EngineConfig
 from asyncllm.executor.multiproc import (
     MultiprocExecutor,
@@ -284,7 +285,7 @@ class RayDistributedExecutor(MultiprocExecutor):
                         ),
                     ).remote()
                 )
-        infos = ray.get([a.info.remote() for a in actors])
+        infos = ray.get([a.info.remote() for a in actors], timeout=envs.worker_start_timeout_s())
         for rank, (actor, (node, pid, port)) in enumerate(zip(actors, infos, strict=True)):
             ip = nodes[node]["NodeManagerAddress"] if node in nodes else "127.0.0.1"
             w = _RayWorker(rank, ray=ray, actor=actor, node_id=node, node_ip=ip, actor_pid=pid)
