@@ -38,11 +38,16 @@ def test_architecture_is_the_expected_class(tiny_pair):
         "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
+        "gemma2": "Gemma2ForCausalLM",
+        "gemma3": "Gemma3ForCausalLM",
     }[arch]
     assert type(ours).__name__ == expected
     spec = ours.model.layers[0].self_attn.spec
-    assert spec.sliding_window == (48 if arch == "mistral" else None)
-    if arch == "qwen3":
+    assert spec.sliding_window == (48 if arch in ("mistral", "gemma2", "gemma3") else None)
+    if arch.startswith("gemma"):  # the second layer is global
+        assert ours.model.layers[1].self_attn.spec.sliding_window is None
+        assert spec.logits_soft_cap == (50.0 if arch == "gemma2" else None)
+    if arch in ("qwen3", "gemma2", "gemma3"):
         assert ours.lm_head.weight is ours.model.embed_tokens.weight
 
 

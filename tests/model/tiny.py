@@ -23,7 +23,14 @@ COMMON = dict(
 
 
 def tiny_config(arch: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     if arch == "llama3":
         cfg = LlamaConfig(
@@ -44,9 +51,34 @@ def tiny_config(arch: str):
     elif arch == "qwen2":
         cfg = Qwen2Config(**{**COMMON, "num_key_value_heads": 1})
         cfg.architectures = ["Qwen2ForCausalLM"]
+    elif arch == "qwen2-window":  # a window on the layers from max_window_layers on
+        cfg = Qwen2Config(
+            **{**COMMON, "num_key_value_heads": 1},
+            use_sliding_window=True,
+            sliding_window=48,
+            max_window_layers=1,
+        )
+        cfg.architectures = ["Qwen2ForCausalLM"]
     elif arch == "qwen3":
         cfg = Qwen3Config(**{**COMMON, "tie_word_embeddings": True}, head_dim=32)
         cfg.architectures = ["Qwen3ForCausalLM"]
+    elif arch == "gemma2":  # a local then a global layer, both soft caps
+        gemma = {**COMMON, "tie_word_embeddings": True, "head_dim": 16}
+        cfg = Gemma2Config(**gemma, query_pre_attn_scalar=24, sliding_window=48)
+        cfg.architectures = ["Gemma2ForCausalLM"]
+    elif arch == "gemma3":  # q/k norm; RoPE by layer type, linear scaling on the global one
+        gemma = {**COMMON, "tie_word_embeddings": True, "head_dim": 16}
+        cfg = Gemma3TextConfig(
+            **gemma,
+            query_pre_attn_scalar=24,
+            sliding_window=48,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+        )
+        cfg.architectures = ["Gemma3ForCausalLM"]
     else:
         raise ValueError(arch)
     return cfg
@@ -58,7 +90,7 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **save_kwargs):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
-    if arch == "qwen2":  # the default init zeroes biases; make them count
+    if arch.startswith("qwen2"):  # the default init zeroes biases; make them count
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (
@@ -72,7 +104,9 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **save_kwargs):
     return model
 
 
-ARCHS = ["llama3", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]
+# (qwen2-window, Qwen2 with a window from max_window_layers on, runs through the engine
+# in tests/model/test_windowed_models.py)
 
 
 def tiny_engine_core(folder: Path, **extra):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncllm.model.interface import CausalLM
+from asyncllm.model.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from asyncllm.model.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -13,6 +14,8 @@ from asyncllm.model.models.llama import (
 )
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

@@ -128,10 +128,15 @@ class RotaryEmbedding(nn.Module):
         return q3.reshape(q.shape), k3.reshape(k.shape)
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """The config's RoPE settings in one dict (`rope_parameters`, or older `rope_scaling` + `rope_theta`)."""
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The config's RoPE settings in one dict (`rope_parameters`, or older `rope_scaling` + `rope_theta`).
+
+    Where they differ by layer type (Gemma 3: `{"sliding_attention": {...},
+    "full_attention": {...}}`), those of `layer_type` (default: full attention)."""
     params = getattr(config, "rope_parameters", None)
-    if params and "rope_theta" in params:
+    if params and all(isinstance(v, dict) for v in params.values()):
+        params = dict(params[layer_type or "full_attention"])
+    elif params and "rope_theta" in params:
         params = dict(params)
     else:
         params = dict(getattr(config, "rope_scaling", None) or {})

@@ -12,7 +12,7 @@ on the last; the rest are placeholders without weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -137,38 +137,42 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack of one pipeline stage: `make_layer(i)` builds decoder layer i
+    (a module taking and returning `(x, residual)`, with a `self_attn` that has
+    `num_kv_heads` and `head_dim`), `norm_cls` the final norm (fusing the residual add);
+    `embed_scale` multiplies the embeddings (Gemma's square root of the hidden size)."""
+
     def __init__(
         self,
         config: Any,
-        backend: AttentionBackend,
-        qkv_bias: bool,
-        qk_norm: bool,
         stage: PipelineStage,
         tie_word_embeddings: bool,
+        make_layer: Callable[[int], nn.Module],
+        norm_cls: Callable[[int, float], nn.Module] = RMSNorm,
+        embed_scale: float | None = None,
     ):
         super().__init__()
         self.stage = stage
         self.is_first, self.is_last = stage.is_first, stage.is_last
         self.hidden_size = config.hidden_size
+        self.embed_scale = embed_scale
         self.embed_tokens: nn.Module
         if stage.is_first or (tie_word_embeddings and stage.is_last):
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = PPMissingLayer("the embedding")
-        self.layers = make_layers(
-            stage, lambda i: LlamaDecoderLayer(config, i, backend, qkv_bias, qk_norm)
-        )
+        self.layers = make_layers(stage, make_layer)
         # This stage's layers in order, beside the registered list (iterated each step).
-        local = tuple(layer for layer in self.layers if isinstance(layer, LlamaDecoderLayer))
+        local = tuple(layer for layer in self.layers if not isinstance(layer, PPMissingLayer))
         self.local_layers = local
         self.norm: nn.Module
         if stage.is_last:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.norm = norm_cls(config.hidden_size, config.rms_norm_eps)
         else:
             self.norm = PPMissingLayer("the final norm")
-        attn = local[0].self_attn  # every layer has the same KV heads
+        attn: Any = local[0].self_attn  # every layer has the same KV heads
         self.kv_cache_spec = KVCacheSpec(
-            len(local), attn.num_kv_heads, attn.head_dim, first_layer=stage.start_layer
+            len(local), int(attn.num_kv_heads), int(attn.head_dim), first_layer=stage.start_layer
         )
 
     def forward(
@@ -181,6 +185,8 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor | IntermediateTensors:
         if self.is_first:
             x, residual = self.embed_tokens(input_ids), None
+            if self.embed_scale is not None:  # (rounded to the dtype first, as in HF)
+                x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         elif intermediate_tensors is None:
             raise ValueError(f"pipeline stage {self.stage.rank} needs the previous stage's tensors")
         else:
@@ -211,9 +217,7 @@ class LlamaForCausalLM(CausalLM):
         qkv_bias = bool(getattr(config, "attention_bias", False)) or self.qkv_bias_default
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.stage = PipelineStage.of_this_rank(config.num_hidden_layers)
-        self.model = LlamaModel(
-            config, backend, qkv_bias, self.qk_norm, self.stage, self.tie_word_embeddings
-        )
+        self.model = self.build_model(config, backend, qkv_bias)
         self.lm_head: nn.Module
         if self.stage.is_last:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
@@ -227,6 +231,15 @@ class LlamaForCausalLM(CausalLM):
         self._other_stages = missing_prefixes(self)
         for name, p in self.named_parameters():
             set_weight_attrs(p, checkpoint_name=name)
+
+    def build_model(self, config: Any, backend: AttentionBackend, qkv_bias: bool) -> LlamaModel:
+        """This stage's decoder stack (a subclass changes the layers)."""
+        return LlamaModel(
+            config,
+            self.stage,
+            self.tie_word_embeddings,
+            lambda i: LlamaDecoderLayer(config, i, backend, qkv_bias, self.qk_norm),
+        )
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return self.model.kv_cache_spec
