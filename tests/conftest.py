@@ -39,7 +39,7 @@ def _torch_threads_restored():
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -62,7 +62,7 @@ def no_child_outlives_the_suite():
     import time
 
     deadline = time.monotonic() + 10
-    while (left := _children(os.getpid())) and time.monotonic() < deadline:
+    while (left := children(os.getpid())) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"child processes outlived the suite: {left}"
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from asyncllm import SamplingParams
 from asyncllm.executor.multiproc import MultiprocExecutor
+from tests.conftest import children
 from tests.model.helpers import TIE_TOLERANCE
 
 TINY = dict(
@@ -71,19 +72,6 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
 def worker_pids(parent: int) -> list[int]:
     """The worker processes `parent` started, by rank."""
     found = {}
@@ -106,6 +94,50 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 def shm_segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("asyncllm_shmq_")}
+
+
+def check_greedy_with_preemption_and_prefix_hits(
+    llm, ref_outs, label: str, exact: bool = False, num_blocks: int = 16
+) -> None:
+    """PROMPTS greedily on `llm` (a KV cache of `num_blocks` blocks: the eight prompts
+    preempt each other) equal `ref_outs` (exactly, or under the tie rule); then the
+    longest prompt alone takes its full blocks from the prefix cache, and every block
+    comes back."""
+    outs = llm.generate(as_inputs(PROMPTS), GREEDY, use_tqdm=False)
+    if exact:
+        assert token_ids(outs) == token_ids(ref_outs), label
+    else:
+        assert_equal_under_tie_rule(ref_outs, outs, label)
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0, stats
+    again = llm.generate(as_inputs(PROMPTS[-1:]), GREEDY, use_tqdm=False)
+    assert again[0].num_cached_tokens >= 48
+    assert token_ids(again) == token_ids(outs[-1:])
+    stats = llm.get_stats()
+    assert stats["prefix_cache_hits"] > 0
+    assert stats["num_free_blocks"] == stats["num_blocks"] == num_blocks
+
+
+def check_seeded_sampling_and_logprobs(ref_llm, llm) -> None:
+    """Seeded sampling with logprobs and prompt logprobs on four prompts: `llm` gives
+    `ref_llm`'s tokens, and logprobs within 1e-4."""
+    params = [
+        SamplingParams(
+            max_tokens=12, temperature=1.0, top_p=0.9, seed=100 + i, logprobs=3, prompt_logprobs=2
+        )
+        for i in range(4)
+    ]
+    prompts = as_inputs(PROMPTS[2:6])
+    want = ref_llm.generate(prompts, params, use_tqdm=False)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert token_ids(got) == token_ids(want)
+    for w, g in zip(want, got, strict=True):
+        for wp, gp in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
+            assert wp.keys() == gp.keys()
+            assert max(abs(wp[t].logprob - gp[t].logprob) for t in wp) < 1e-4
+        for wp, gp in zip(w.prompt_logprobs[1:], g.prompt_logprobs[1:], strict=True):
+            assert wp.keys() == gp.keys()
+            assert max(abs(wp[t].logprob - gp[t].logprob) for t in wp) < 1e-4
 
 
 class StreamTokens:

@@ -35,6 +35,8 @@ from tests.distributed.engines import (
     StreamTokens,
     as_inputs,
     assert_equal_under_tie_rule,
+    check_greedy_with_preemption_and_prefix_hits,
+    check_seeded_sampling_and_logprobs,
     children,
     shm_segments,
     token_ids,
@@ -71,17 +73,7 @@ def test_tp2_greedy_equals_tp1_with_preemption_and_prefix_hits(tp2_llama, refere
     _, ref = reference
     executor = _executor(tp2_llama)
     assert type(executor).__name__ == "MultiprocExecutor" and len(executor.worker_pids) == 2
-    outs = tp2_llama.generate(as_inputs(PROMPTS), GREEDY, use_tqdm=False)
-    assert_equal_under_tie_rule(ref["llama3"], outs, "llama3 TP=2")
-    stats = tp2_llama.get_stats()
-    assert stats["num_preemptions"] > 0, stats
-    # The longest prompt again, alone: its full blocks come from the prefix cache.
-    again = tp2_llama.generate(as_inputs(PROMPTS[-1:]), GREEDY, use_tqdm=False)
-    assert again[0].num_cached_tokens >= 48
-    assert token_ids(again) == token_ids(outs[-1:])
-    stats = tp2_llama.get_stats()
-    assert stats["prefix_cache_hits"] > 0
-    assert stats["num_free_blocks"] == stats["num_blocks"] == 16
+    check_greedy_with_preemption_and_prefix_hits(tp2_llama, ref["llama3"], "llama3 TP=2")
 
 
 def test_tp2_with_one_kv_head_replicated_equals_tp1(tiny_models, reference):
@@ -114,25 +106,7 @@ def test_mp_at_one_rank_gives_the_in_processtoken_ids(tiny_models, reference):
 
 
 def test_tp2_seeded_sampling_and_logprobs_equal_tp1(tp2_llama, reference):
-    ref_llm, _ = reference
-    params = [
-        SamplingParams(
-            max_tokens=12, temperature=1.0, top_p=0.9, seed=100 + i, logprobs=3, prompt_logprobs=2
-        )
-        for i in range(4)
-    ]
-    prompts = as_inputs(PROMPTS[2:6])
-    want = ref_llm.generate(prompts, params, use_tqdm=False)
-    got = tp2_llama.generate(prompts, params, use_tqdm=False)
-    assert token_ids(got) == token_ids(want)
-    for w, g in zip(want, got, strict=True):
-        for wp, gp in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
-            assert wp.keys() == gp.keys()
-            for tok in wp:
-                assert abs(wp[tok].logprob - gp[tok].logprob) < 1e-4
-        for wp, gp in zip(w.prompt_logprobs[1:], g.prompt_logprobs[1:], strict=True):
-            assert wp.keys() == gp.keys()
-            assert max(abs(wp[t].logprob - gp[t].logprob) for t in wp) < 1e-4
+    check_seeded_sampling_and_logprobs(reference[0], tp2_llama)
 
 
 def test_tp3_smollm_equals_tp1_with_a_structured_output(llm, smollm_prompts):

@@ -19,6 +19,8 @@ from tests.distributed.engines import (
     TINY,
     as_inputs,
     assert_equal_under_tie_rule,
+    check_greedy_with_preemption_and_prefix_hits,
+    check_seeded_sampling_and_logprobs,
     children,
     token_ids,
 )
@@ -47,37 +49,12 @@ def test_pp2_greedy_equals_tp1_with_preemption_and_prefix_hits(pp2_llama, refere
     _, ref = reference
     core = _core(pp2_llama)
     assert len(core.executor.worker_pids) == 2 and core._depth == 2
-    outs = pp2_llama.generate(as_inputs(PROMPTS), GREEDY, use_tqdm=False)
-    assert token_ids(outs) == token_ids(ref["llama3"])  # (no sum is split: exact)
-    stats = pp2_llama.get_stats()
-    assert stats["num_preemptions"] > 0, stats
-    again = pp2_llama.generate(as_inputs(PROMPTS[-1:]), GREEDY, use_tqdm=False)
-    assert again[0].num_cached_tokens >= 48
-    assert token_ids(again) == token_ids(outs[-1:])
-    stats = pp2_llama.get_stats()
-    assert stats["prefix_cache_hits"] > 0
-    assert stats["num_free_blocks"] == stats["num_blocks"] == 16
+    # (no sum is split across ranks: the tokens are exactly TP=1's)
+    check_greedy_with_preemption_and_prefix_hits(pp2_llama, ref["llama3"], "PP=2", exact=True)
 
 
 def test_pp2_seeded_sampling_and_logprobs_equal_tp1(pp2_llama, reference):
-    ref_llm, _ = reference
-    params = [
-        SamplingParams(
-            max_tokens=12, temperature=1.0, top_p=0.9, seed=100 + i, logprobs=3, prompt_logprobs=2
-        )
-        for i in range(4)
-    ]
-    prompts = as_inputs(PROMPTS[2:6])
-    want = ref_llm.generate(prompts, params, use_tqdm=False)
-    got = pp2_llama.generate(prompts, params, use_tqdm=False)
-    assert token_ids(got) == token_ids(want)
-    for w, g in zip(want, got, strict=True):
-        for wp, gp in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
-            assert wp.keys() == gp.keys()
-            assert max(abs(wp[t].logprob - gp[t].logprob) for t in wp) < 1e-4
-        for wp, gp in zip(w.prompt_logprobs[1:], g.prompt_logprobs[1:], strict=True):
-            assert wp.keys() == gp.keys()
-            assert max(abs(wp[t].logprob - gp[t].logprob) for t in wp) < 1e-4
+    check_seeded_sampling_and_logprobs(reference[0], pp2_llama)
 
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen2"])

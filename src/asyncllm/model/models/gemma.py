@@ -29,7 +29,7 @@ from asyncllm.model.layers.linear import (
     RowParallelLinear,
 )
 from asyncllm.model.layers.rotary import get_rope, rope_parameters
-from asyncllm.model.models.llama import LlamaForCausalLM, LlamaModel
+from asyncllm.model.models.llama import LlamaForCausalLM, LlamaModel, PagedSelfAttention
 
 
 class GemmaRMSNorm(nn.Module):
@@ -62,7 +62,7 @@ def _layer_type(config: Any, layer: int) -> str:
     return str(types[layer])
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(PagedSelfAttention):
     def __init__(self, config: Any, layer: int, backend: AttentionBackend, qk_norm: bool):
         super().__init__()
         self.backend = backend
@@ -89,21 +89,6 @@ class GemmaAttention(nn.Module):
             sliding_window=config.sliding_window if layer_type == "sliding_attention" else None,
             logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
         )
-
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any
-    ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        T = x.shape[0]
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.backend.forward(self.spec, q, k, v, kv_cache, attn_metadata)
-        return self.o_proj(out.reshape(T, self.q_size))
 
 
 class GemmaMLP(nn.Module):

@@ -53,7 +53,41 @@ def _sliding_window(config: Any, layer: int) -> int | None:
     return window
 
 
-class LlamaAttention(nn.Module):
+class PagedSelfAttention(nn.Module):
+    """Self-attention over the paged cache, as the subclasses build it: `qkv_proj`, an
+    optional per-head `q_norm`/`k_norm`, `rotary_emb`, the backend with its layer
+    `spec`, and `o_proj`."""
+
+    backend: AttentionBackend
+    qkv_proj: QKVParallelLinear
+    o_proj: RowParallelLinear
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
+    rotary_emb: nn.Module
+    spec: AttentionLayerSpec
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_size: int
+    kv_size: int
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        T = x.shape[0]
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.backend.forward(self.spec, q, k, v, kv_cache, attn_metadata)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class LlamaAttention(PagedSelfAttention):
     def __init__(
         self, config: Any, layer: int, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool
     ):
@@ -82,21 +116,6 @@ class LlamaAttention(nn.Module):
             scale=head_dim**-0.5,
             sliding_window=_sliding_window(config, layer),
         )
-
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any
-    ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        T = x.shape[0]
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.backend.forward(self.spec, q, k, v, kv_cache, attn_metadata)
-        return self.o_proj(out.reshape(T, self.q_size))
 
 
 class LlamaMLP(nn.Module):
