@@ -33,6 +33,7 @@ export PYTHONPATH=src:kernels:$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export ASYNCLLM_CACHE=/tmp/asyncllm-cache
 Q06=(--model benchmarks/configs/qwen3-0.6b --load-format dummy --skip-tokenizer-init --dtype bfloat16)
 L8=(--model benchmarks/configs/llama-3.1-8b --load-format dummy --skip-tokenizer-init --dtype bfloat16)
+G3=(--model benchmarks/configs/gemma-3-1b --load-format dummy --skip-tokenizer-init --dtype bfloat16)
 
 stage() {
     local name=$1
@@ -59,6 +60,16 @@ for s in "$@"; do
     profile-0.6b) stage "$s" python3 -m asyncllm.bench.step_profile "${Q06[@]}" "${SYNC[@]}" --batch 1 256 --trace-dir "$OUT" && gzip -f "$OUT"/trace-*.json ;;
     serving-0.6b) stage "$s" python3 -m asyncllm.bench.serving "${Q06[@]}" "${SYNC[@]}" ;;
     profile-8b) stage "$s" python3 -m asyncllm.bench.step_profile "${L8[@]}" "${SYNC[@]}" --batch 1 256 ;;
+    latency-gemma3) stage "$s" python3 -m asyncllm.bench.latency "${G3[@]}" "${SYNC[@]}" ;;
+    throughput-gemma3) stage "$s" python3 -m asyncllm.bench.throughput "${G3[@]}" "${SYNC[@]}" ;;
+    # (every layer keeping every token's KV: the hybrid KV cache's baseline)
+    throughput-gemma3-global) stage "$s" python3 -m asyncllm.bench.throughput "${G3[@]}" \
+        --disable-hybrid-kv-cache-manager ;;
+    latency-gemma3-global) stage "$s" python3 -m asyncllm.bench.latency "${G3[@]}" \
+        --disable-hybrid-kv-cache-manager ;;
+    eager-gemma3) stage "$s" python3 -m asyncllm.bench.latency "${G3[@]}" --enforce-eager ;;
+    profile-gemma3) stage "$s" python3 -m asyncllm.bench.step_profile "${G3[@]}" --batch 1 256 ;;
+    kv-gemma3) stage "$s" python3 benchmarks/hybrid_kv.py "${G3[@]}" --kv-cache-memory-bytes 8e9 ;;
     latency-8b) stage "$s" python3 -m asyncllm.bench.latency "${L8[@]}" "${SYNC[@]}" ;;
     throughput-8b) stage "$s" python3 -m asyncllm.bench.throughput "${L8[@]}" "${SYNC[@]}" ;;
     bench-attention) stage "$s" python3 benchmarks/kernels/bench_attention.py ;;

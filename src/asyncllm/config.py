@@ -70,6 +70,7 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    hybrid_kv_cache: bool = True  # windowed layers in groups of their own (kv_groups.py)
 
 
 class SchedulingPolicy(enum.Enum):
@@ -174,6 +175,9 @@ class EngineArgs:
     """Tokens per KV cache block (a power of two)."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of prompt prefixes seen before."""
+    disable_hybrid_kv_cache_manager: bool = False
+    """Keep every token's KV in every layer, sliding-window layers too (by default a
+    windowed layer frees the blocks that fall out of its window)."""
     enable_chunked_prefill: bool = True
     """Split long prompts over steps, mixed with running decodes."""
     max_num_seqs: int | None = None
@@ -268,6 +272,7 @@ class EngineArgs:
         for name in (
             "skip_tokenizer_init",
             "enable_prefix_caching",
+            "disable_hybrid_kv_cache_manager",
             "enable_chunked_prefill",
             "enforce_eager",
             "async_scheduling",

@@ -141,6 +141,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     kv_cache_usage: float = 0.0
     num_blocks: int = 0
     num_free_blocks: int = 0
+    # blocks requests hold in each KV cache group (model/kv_groups.py)
+    num_held_blocks_per_group: list[int] = []
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0

@@ -20,7 +20,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # non-empty when resumed after a preemption
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int  # tokens already in the cache (prefix-cache hit)
     eos_token_id: int | None = None  # masked while fewer than min_tokens are out
 
@@ -30,7 +30,7 @@ class CachedRequestData:
     """Requests the runner already holds: only what changed."""
 
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[list[list[int]]] = field(default_factory=list)  # [] or per group
     num_computed_tokens: list[int] = field(default_factory=list)
     # Under pipeline parallelism only (`SchedulerConfig.runner_holds_samples` False):
     # the tokens each request computes this step, for the stages that never sample.

@@ -29,6 +29,19 @@ def ids(blocks: Iterable[KVCacheBlock]) -> list[int]:
     return [b.block_id for b in blocks]
 
 
+def only_group(blocks: tuple[list[KVCacheBlock], ...] | None) -> list[KVCacheBlock]:
+    """A one-group manager's blocks (allocate_slots, get_computed_blocks, get_blocks)."""
+    assert blocks is not None and len(blocks) <= 1
+    return blocks[0] if blocks else []
+
+
+def block_ids(kv: KVCacheManager, rid: str) -> list[int]:
+    """A one-group manager's block ids of a request."""
+    per_group = kv.get_block_ids(rid)
+    assert len(per_group) <= 1
+    return per_group[0] if per_group else []
+
+
 def key(i: int) -> BlockHash:
     """A distinct block hash for tests that do not care about the tokens behind it."""
     return hash_block_tokens(None, [i])
@@ -288,21 +301,22 @@ def test_allocate_slots_returns_only_the_blocks_it_took_from_the_free_queue() ->
     (the runner learns them from get_block_ids), though they are taken."""
     kv = KVCacheManager(8, 4, 64)
     a = make_request("a", list(range(10)), 4)
-    first = kv.allocate_slots(a, 6)  # tokens 0..5: two blocks
-    assert first is not None and len(first) == 2 and ids(first) == kv.get_block_ids("a")
+    first = only_group(kv.allocate_slots(a, 6))  # tokens 0..5: two blocks
+    assert len(first) == 2 and ids(first) == block_ids(kv, "a")
     a.num_computed_tokens = 6
-    assert kv.allocate_slots(a, 2) == []  # tokens 6..7 fit in the second block
+    assert kv.allocate_slots(a, 2) == ()  # tokens 6..7 fit in the second block
     a.num_computed_tokens = 8
-    more = kv.allocate_slots(a, 2)  # tokens 8..9 need a third
-    assert more is not None and ids(more) == kv.get_block_ids("a")[2:] and len(more) == 1
+    more = only_group(kv.allocate_slots(a, 2))  # tokens 8..9 need a third
+    assert ids(more) == block_ids(kv, "a")[2:] and len(more) == 1
     a.num_computed_tokens = 10
 
     b = make_request("b", list(range(10)), 4)
-    hits, num_hit = kv.get_computed_blocks(b)
-    assert num_hit == 8 and ids(hits) == kv.get_block_ids("a")[:2]
-    new = kv.allocate_slots(b, 2, num_hit, hits)
-    assert new is not None and len(new) == 1 and new[0] not in hits
-    assert kv.get_block_ids("b") == ids(hits) + ids(new)
+    found, num_hit = kv.get_computed_blocks(b)
+    hits = only_group(found)
+    assert num_hit == 8 and ids(hits) == block_ids(kv, "a")[:2]
+    new = only_group(kv.allocate_slots(b, 2, num_hit, found))
+    assert len(new) == 1 and new[0] not in hits
+    assert block_ids(kv, "b") == ids(hits) + ids(new)
     assert [blk.ref_cnt for blk in hits] == [2, 2]
     assert kv.num_free_blocks == 8 - 4
 
@@ -313,7 +327,7 @@ def test_free_releases_a_requests_blocks_tail_first() -> None:
     kv = KVCacheManager(4, 4, 64)
     a = make_request("a", list(range(12)), 4)
     admit(kv, a)
-    held = kv.get_block_ids("a")
+    held = block_ids(kv, "a")
     kv.free(a)
     assert ids(kv.pool.free_queue) == [3] + held[::-1]
     assert all(kv.pool.get_cached_block(h) is not None for h in a.block_hashes)
@@ -355,7 +369,10 @@ def assert_pool_invariants(pool: BlockPool) -> None:
     for prev, nxt in zip(walked, walked[1:]):
         assert nxt.prev_free is prev
     assert {b.block_id for b in walked} == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
-    assert pool.num_free_blocks + sum(b.ref_cnt > 0 for b in pool.blocks) == pool.num_blocks
+    held = sum(b.ref_cnt > 0 for b in pool.blocks if b is not pool.null_block)
+    assert pool.num_free_blocks + held == pool.num_blocks
+    if pool.null_block is not None:  # never handed out, freed or registered
+        assert pool.null_block.ref_cnt == 1 and pool.null_block.block_hash is None
     # The hash map and the blocks agree, both ways.
     for b in pool.blocks:
         if b.block_hash is not None:
@@ -382,17 +399,17 @@ class SimulatedKV:
         ]
 
     def write(self, kv: KVCacheManager, req: Request, start: int, end: int) -> None:
-        block_ids = kv.get_block_ids(req.request_id)
+        held = block_ids(kv, req.request_id)
         for p in range(start, end):
-            self.slots[block_ids[p // self.block_size]][p % self.block_size] = tuple(
+            self.slots[held[p // self.block_size]][p % self.block_size] = tuple(
                 req.all_token_ids[: p + 1]
             )
 
     def assert_holds(self, kv: KVCacheManager, req: Request) -> None:
         """Every computed position of the request reads its own prefix's K/V."""
-        block_ids = kv.get_block_ids(req.request_id)
+        held = block_ids(kv, req.request_id)
         for p in range(req.num_computed_tokens):
-            got = self.slots[block_ids[p // self.block_size]][p % self.block_size]
+            got = self.slots[held[p // self.block_size]][p % self.block_size]
             assert got == tuple(req.all_token_ids[: p + 1]), (req, p)
 
     def assert_cached_blocks_hold_their_hash(self, pool: BlockPool) -> None:
@@ -405,7 +422,7 @@ def assert_manager_invariants(kv: KVCacheManager, live: list[Request], sim: Simu
     assert_pool_invariants(kv.pool)
     holders: Counter[int] = Counter()
     for req in live:
-        blocks = kv.coordinator.get_blocks(req.request_id)
+        blocks = only_group(kv.coordinator.get_blocks(req.request_id))
         assert all(b.ref_cnt >= 1 for b in blocks)
         assert len(blocks) == -(-req.num_computed_tokens // kv.block_size)
         holders.update(b.block_id for b in blocks)
@@ -432,7 +449,8 @@ def test_kv_cache_manager_keeps_its_invariants_under_random_operations(
         if op == "add":
             assert isinstance(arg, list)
             req = make_request(f"r{n}", arg, block_size)
-            hits, num_hit = kv.get_computed_blocks(req)
+            found, num_hit = kv.get_computed_blocks(req)
+            hits = only_group(found)
             # A hit is the request's own first blocks, whole, never the last token, and
             # the longest one: the next block of the request is not cached.
             assert [b.block_hash for b in hits] == req.block_hashes[: len(hits)]
@@ -443,7 +461,7 @@ def test_kv_cache_manager_keeps_its_invariants_under_random_operations(
                 assert kv.pool.get_cached_block(req.block_hashes[len(hits)]) is None
             free_before = kv.num_free_blocks
             chunk = min(size, req.num_tokens - num_hit)
-            if kv.allocate_slots(req, chunk, num_hit, hits) is None:
+            if kv.allocate_slots(req, chunk, num_hit, found) is None:
                 event("admission refused")
                 assert kv.num_free_blocks == free_before and kv.get_block_ids(req.request_id) == []
             else:

@@ -238,7 +238,7 @@ def test_fcfs_preemption_takes_the_latest_request_and_resumes_it_with_its_output
     c = add(sched, "c", 4, max_tokens=1)
     out, _ = step(sched)
     assert out.num_scheduled_tokens == {"a": 8, "b": 8}  # no block left for c
-    b_blocks = sched.kv.get_block_ids("b")
+    b_blocks = sched.kv.get_block_ids("b")[0]
 
     out, _ = step(sched)
     assert out.num_scheduled_tokens == {"a": 1}
@@ -255,7 +255,7 @@ def test_fcfs_preemption_takes_the_latest_request_and_resumes_it_with_its_output
     assert resumed.prompt_token_ids == b.prompt_token_ids
     assert resumed.output_token_ids == [token_at(8)]
     assert resumed.num_computed_tokens == 4  # b's first block survived in the cache
-    assert sched.kv.get_block_ids("b")[0] == b_blocks[0]
+    assert sched.kv.get_block_ids("b")[0][0] == b_blocks[0]
     assert out.num_scheduled_tokens["b"] == 9 - 4
     assert [o.new_token_ids for o in outputs if o.request_id == "b"] == [[token_at(9)]]
 
@@ -535,7 +535,7 @@ def test_an_abort_frees_the_blocks_at_once_and_tells_the_runner_next_step() -> N
     add(sched, "a", 40)
     add(sched, "b", 40)
     step(sched)
-    free_before, held = sched.kv.num_free_blocks, len(sched.kv.get_block_ids("a"))
+    free_before, held = sched.kv.num_free_blocks, len(sched.kv.get_block_ids("a")[0])
     assert held == 3
 
     (ended,) = sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
@@ -611,7 +611,7 @@ class FakeModelRunner:
             assert new.req_id not in self.reqs, "resumed before the runner dropped it"
             self.reqs[new.req_id] = _RunnerRequest(
                 new.prompt_token_ids + new.output_token_ids,
-                list(new.block_ids),
+                list(new.block_ids[0]),
                 new.num_computed_tokens,
             )
         cached = out.scheduled_cached_reqs
@@ -619,7 +619,8 @@ class FakeModelRunner:
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
         ):
             assert self.reqs[rid].num_computed == num_computed
-            self.reqs[rid].block_ids.extend(new_blocks)
+            if new_blocks:
+                self.reqs[rid].block_ids.extend(new_blocks[0])
         # The step writes every scheduled position, then attention reads.
         for rid, n in out.num_scheduled_tokens.items():
             r = self.reqs[rid]
@@ -768,7 +769,7 @@ def test_random_workloads_respect_the_limits_finish_and_free_every_block(
             for rid in out.num_scheduled_tokens:  # the scheduler and the runner agree
                 assert sched.requests[rid].num_computed_tokens == runner.reqs[rid].num_computed
             for r in sched.running:  # blocks for exactly the tokens computed, no more
-                num_blocks = len(kv.get_block_ids(r.request_id))
+                num_blocks = len(kv.get_block_ids(r.request_id)[0])
                 assert num_blocks == -(-r.num_computed_tokens // w.block_size)
             in_flight.append((out, runner_out))
             if len(in_flight) == 2:
@@ -780,7 +781,7 @@ def test_random_workloads_respect_the_limits_finish_and_free_every_block(
                 if o.finish_reason is not None:
                     finish_reasons[o.request_id] = o.finish_reason
         # Only running requests hold blocks.
-        assert set(kv.coordinator.req_to_blocks) <= {r.request_id for r in sched.running}
+        assert set(kv.coordinator.groups[0].req_to_blocks) <= {r.request_id for r in sched.running}
     else:
         pytest.fail(f"{sched.num_unfinished_requests} requests unfinished after {MAX_STEPS} steps")
 

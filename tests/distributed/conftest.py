@@ -14,11 +14,12 @@ from tests.model.tiny import make_tiny_model
 
 @pytest.fixture(scope="package")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    """Random Llama-family models: llama3 with 4 heads and 2 KV heads (one per rank at
-    TP=2), qwen2 with 1 KV head (replicated at TP=2; q/k/v biases)."""
+    """Random models: llama3 with 4 heads and 2 KV heads (one per rank at TP=2), qwen2
+    with 1 KV head (replicated at TP=2; q/k/v biases), gemma3 (a windowed and a global
+    layer: two KV cache groups, one per pipeline stage at PP=2)."""
     root = tmp_path_factory.mktemp("tiny-tp")
     out = {}
-    for arch in ("llama3", "qwen2"):
+    for arch in ("llama3", "qwen2", "gemma3"):
         make_tiny_model(arch, root / arch)
         out[arch] = root / arch
     return out
@@ -37,5 +38,6 @@ def reference(tiny_models):
         for arch, llm in engines.items()
     }
     engines["qwen2"].shutdown()
+    engines["gemma3"].shutdown()
     yield engines["llama3"], greedy
     engines["llama3"].shutdown()

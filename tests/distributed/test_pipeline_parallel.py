@@ -57,10 +57,12 @@ def test_pp2_seeded_sampling_and_logprobs_equal_tp1(pp2_llama, reference):
     check_seeded_sampling_and_logprobs(reference[0], pp2_llama)
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "gemma3"])
 def test_tp2_by_pp2_equals_tp1(tiny_models, reference, arch):
     """Four workers (two stages of two shards) on two CPUs; qwen2's one KV head is
-    replicated on both shards of each stage. Without async scheduling on qwen2."""
+    replicated on both shards of each stage; gemma3's windowed layer and global layer
+    (two KV cache groups, prompts past the window) sit on different stages. Without
+    async scheduling on qwen2."""
     _, ref = reference
     with LLM(
         str(tiny_models[arch]),

@@ -348,7 +348,7 @@ def test_the_engines_step_frames_travel_as_they_were_encoded(shm_dir_unchanged):
 
     def step(n: int) -> SchedulerOutput:
         new = [
-            NewRequestData(f"r{i}", list(range(i, i + 20)), [], SamplingParams(), [i], 0)
+            NewRequestData(f"r{i}", list(range(i, i + 20)), [], SamplingParams(), [[i]], 0)
             for i in range(n)
         ]
         return SchedulerOutput(

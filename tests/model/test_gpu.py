@@ -23,7 +23,11 @@ def _ours_and_ref(folder, dtype):
 
     cfg = create_model_config(EngineArgs(model=str(folder), device="cuda", dtype=dtype))
     ours = load_model(cfg, TorchNativeBackend())
-    ref = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).cuda().eval()
+    # (eager attention: the exact reference; SDPA drops Gemma 2's logit soft-capping)
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager"
+    )
+    ref = ref.cuda().eval()
     return ours, ref
 
 
@@ -51,7 +55,9 @@ def test_tiny_models_on_cuda(tmp_path, arch, dtype):
     if dtype == "float32":
         assert rel <= 1e-4, f"{arch}: relative logits error {rel:.2e}"
     else:
-        ref16 = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).cuda()
+        ref16 = AutoModelForCausalLM.from_pretrained(
+            str(tmp_path), dtype=torch.bfloat16, attn_implementation="eager"
+        ).cuda()
         with torch.no_grad():
             ref16_logits = ref16.eval()(ids).logits[0].float()
         ref_rel = ((ref16_logits - want).norm() / want.norm()).item()

@@ -79,6 +79,20 @@ def tiny_config(arch: str):
             },
         )
         cfg.architectures = ["Gemma3ForCausalLM"]
+    elif arch == "gemma3-mm":  # the multimodal checkpoint: gemma3's text model, a tiny tower
+        from transformers import Gemma3Config, SiglipVisionConfig
+
+        vision = SiglipVisionConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        )
+        text = tiny_config("gemma3").to_dict()
+        cfg = Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=4)
+        cfg.architectures = ["Gemma3ForConditionalGeneration"]
     else:
         raise ValueError(arch)
     return cfg
@@ -89,7 +103,12 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **save_kwargs):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+    if arch == "gemma3-mm":
+        from transformers import Gemma3ForConditionalGeneration
+
+        model = Gemma3ForConditionalGeneration(tiny_config(arch)).float()
+    else:
+        model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
     if arch.startswith("qwen2"):  # the default init zeroes biases; make them count
         with torch.no_grad():
             for layer in model.model.layers:
@@ -105,8 +124,9 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **save_kwargs):
 
 
 ARCHS = ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]
-# (qwen2-window, Qwen2 with a window from max_window_layers on, runs through the engine
-# in tests/model/test_windowed_models.py)
+# (qwen2-window, Qwen2 with a window from max_window_layers on, and gemma3-mm, Gemma 3's
+# multimodal checkpoint run as a text model, run through the engine in
+# tests/model/test_windowed_models.py)
 
 
 def tiny_engine_core(folder: Path, **extra):

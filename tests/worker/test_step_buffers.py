@@ -57,11 +57,23 @@ def test_padding_is_inert():
     buf.pad(3, 3, 8, 8)
     assert buf.query_start_loc.np[:9].tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3]
     assert buf.seq_lens.np[:8].tolist() == [5, 6, 7, 0, 0, 0, 0, 0]
-    assert buf.slot_mapping.np[:8].tolist() == [99, 99, 99, -1, -1, -1, -1, -1]
-    assert (buf.block_table.np[3:8] == 0).all() and (buf.block_table.np[:3] == 3).all()
+    assert buf.slot_mapping.np[0, :8].tolist() == [99, 99, 99, -1, -1, -1, -1, -1]
+    assert (buf.block_table.np[:, 3:8] == 0).all() and (buf.block_table.np[:, :3] == 3).all()
     # On the CPU the device twin is the host buffer: nothing to copy, no second copy.
     assert buf.seq_lens.device.data_ptr() == buf.seq_lens.cpu.data_ptr()
-    assert buf.block_table.copy_to_device(8).data_ptr() == buf.block_table.cpu.data_ptr()
+    assert buf.block_table.device.data_ptr() == buf.block_table.cpu.data_ptr()
+
+
+def test_every_kv_cache_group_has_its_slot_mapping_and_block_table():
+    """A model with several KV cache groups (model/kv_groups.py): one row of slots and
+    one block table per group; padding makes every group's rows inert."""
+    buf = StepBuffers(16, 8, 4, torch.device("cpu"), num_groups=3)
+    assert buf.slot_mapping.np.shape == (3, 16) and buf.block_table.np.shape == (3, 8, 4)
+    buf.slot_mapping.np[:] = 7
+    buf.block_table.np[:] = 5
+    buf.pad(2, 2, 4, 4)
+    assert (buf.slot_mapping.np[:, 2:4] == -1).all() and (buf.slot_mapping.np[:, :2] == 7).all()
+    assert (buf.block_table.np[:, 2:4] == 0).all() and (buf.block_table.np[:, :2] == 5).all()
 
 
 def test_the_arena_views_are_disjoint_and_aligned():
@@ -69,7 +81,7 @@ def test_the_arena_views_are_disjoint_and_aligned():
     is 8-byte aligned, and writing one leaves every other as it was."""
     buf = StepBuffers(13, 5, 4, torch.device("cpu"))
     views = [buf.input_ids, buf.positions, buf.slot_mapping, buf.query_start_loc, buf.seq_lens]
-    assert [v.np.shape[0] for v in views] == [13, 13, 13, 6, 5]
+    assert [v.np.shape[-1] for v in views] == [13, 13, 13, 6, 5]
     for i, v in enumerate(views):
         assert v.cpu.data_ptr() % 8 == 0
         v.np[:] = i + 1

@@ -131,6 +131,13 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: Any) -> None:
         help="no CUDA graphs (accepted for vLLM compatibility)",
     )
     g.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        dest="disable_hybrid_kv_cache_manager",
+        action="store_true",
+        default=None,
+        help="every layer keeps every token's KV, windowed ones too",
+    )
+    g.add_argument(
         "--no-async-scheduling",
         dest="async_scheduling",
         action="store_false",
@@ -142,7 +149,7 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: Any) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineArgs fields for `LLM(**kw)` / `AsyncLLM(**kw)`: the flags that were set."""
     names = ["model", "kv_cache_memory_bytes", "skip_tokenizer_init", "enforce_eager"]
-    names.append("async_scheduling")
+    names += ["async_scheduling", "disable_hybrid_kv_cache_manager"]
     names += [dest for _, dest, _, _ in _ENGINE_FLAGS]
     kw = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     kw.setdefault("model", None)

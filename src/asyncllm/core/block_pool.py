@@ -88,14 +88,25 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """Owns every block, its reference count, and the prefix cache's hash map."""
+    """Owns every block, its reference count, and the prefix cache's hash map.
 
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-        self.num_blocks = num_blocks
+    With `reserve_null_block`, block 0 is the null block: never handed out, freed or
+    written (its K/V stays zero), it stands in a sliding-window group's block table for
+    the blocks that fell out of the window; `num_blocks` then counts the others."""
+
+    def __init__(self, num_blocks: int, reserve_null_block: bool = False) -> None:
+        if num_blocks < 1 + reserve_null_block:
+            raise ValueError(
+                f"num_blocks must be at least {1 + reserve_null_block}, got {num_blocks}"
+            )
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.null_block: KVCacheBlock | None = None
+        if reserve_null_block:
+            self.null_block = self.blocks[0]
+            self.null_block.ref_cnt = 1  # (held for good: never in the free queue)
+        usable = self.blocks[1:] if reserve_null_block else self.blocks
+        self.num_blocks = len(usable)
+        self.free_queue = FreeBlockQueue(usable)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
 
     @property
@@ -140,8 +151,11 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Adds one reference to each block (cache hits another request now shares); a
-        free one leaves the free queue, so it cannot be handed out or evicted."""
+        free one leaves the free queue, so it cannot be handed out or evicted. The null
+        block is skipped."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
@@ -150,8 +164,11 @@ class BlockPool:
         """Drops one reference each; blocks reaching 0 join the back of the free queue
         in this order (pass a request's blocks tail first, so its prefix, the part
         other requests are likeliest to share, is evicted last). They keep their hashes.
-        ValueError on a block with no reference left; the blocks before it are freed."""
+        ValueError on a block with no reference left; the blocks before it are freed.
+        The null block is skipped."""
         for block in ordered:
+            if block is self.null_block:
+                continue
             if block.ref_cnt <= 0:
                 raise ValueError(f"{block} freed more often than it was taken")
             block.ref_cnt -= 1
@@ -165,10 +182,10 @@ class BlockPool:
         that they are full and that their K/V is written before anyone reads it. A block
         already registered (a cache hit) is skipped; so is one whose hash another block
         holds (the same content computed twice at once): the first stays, this one
-        stays plain."""
+        stays plain. The null block is never registered."""
         for i in range(start, end):
             block = blocks[i]
-            if block.block_hash is not None:
+            if block.block_hash is not None or block is self.null_block:
                 continue
             h = block_hashes[i]
             if h in self.cached:
@@ -182,6 +199,6 @@ class BlockPool:
         if self.num_free_blocks != self.num_blocks:
             return False
         for block in self.blocks:
-            block.block_hash = None
+            block.block_hash = None  # (the null block has none)
         self.cached.clear()
         return True

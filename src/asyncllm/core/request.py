@@ -92,7 +92,7 @@ class Request:
         self.first_scheduled_time = 0.0  # time.monotonic() when it first got tokens
         self.num_output_placeholders = 0
         self.num_in_flight = 0
-        self.held_blocks: list | None = None  # blocks of an ended request, freed later
+        self.held_blocks: tuple | None = None  # blocks of an ended request, freed later
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_tokens = len(self.all_token_ids)  # kept in step with all_token_ids (hot path)

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING
 from asyncllm.config import SchedulerConfig, SchedulingPolicy
 from asyncllm.core.block_pool import KVCacheBlock
 from asyncllm.core.grammar_fill import GrammarFill
-from asyncllm.core.kv_cache_manager import KVCacheManager
+from asyncllm.core.kv_cache_coordinator import KVCacheBlocks
+from asyncllm.core.kv_cache_manager import KVCacheManager, block_ids
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.request_queue import create_request_queue
 from asyncllm.core.step_plan import Scheduled, StepPlan
@@ -311,14 +312,12 @@ class Scheduler:
                 if blocks is None:
                     return
                 i = self.running.index(req)  # victims ahead of it moved it forward
-            step.add(
-                req, n, req.num_computed_tokens, [b.block_id for b in blocks] if blocks else []
-            )
+            step.add(req, n, req.num_computed_tokens, block_ids(blocks) if blocks else [])
             i += 1
 
     def _preempt_until_allocated(
         self, req: Request, n: int, step: StepPlan
-    ) -> list[KVCacheBlock] | None:
+    ) -> KVCacheBlocks | None:
         """Preempts running requests (see `_preempt_one`) until `n` more tokens of `req`
         fit; returns its new blocks, or None if `req` itself was preempted. A victim
         already given tokens this step gives them back to the budget."""
@@ -352,9 +351,9 @@ class Scheduler:
         if not blocks:
             return
         unwritten = {id(b) for b in blocks}
-        get_blocks = self.kv.coordinator.get_blocks
+        blocks_from = self.kv.blocks_from
         for req in [
-            r for r in self.running if any(id(b) in unwritten for b in get_blocks(r.request_id))
+            r for r in self.running if any(id(b) in unwritten for b in blocks_from(r.request_id, 0))
         ]:
             self.running.remove(req)
             self._preempt(req)
@@ -570,8 +569,7 @@ class Scheduler:
                     # Its step did not run: the blocks it was to fill hold nothing (and
                     # must not stay findable in the prefix cache), and requests that
                     # found them there since compute their prefix again.
-                    first = computed_before // self.kv.block_size
-                    unwritten = self.kv.coordinator.get_blocks(req.request_id)[first:]
+                    unwritten = self.kv.blocks_from(req.request_id, computed_before)
                     req.num_computed_tokens = computed_before
                     outputs.append(self._fail(req, ErrorKind.FAILED, reason))
                     self._recompute_readers(unwritten, rebuild_matchers=not accept)
@@ -649,5 +647,6 @@ class Scheduler:
         s.num_running, s.num_waiting = len(self.running), len(self.waiting)
         s.kv_cache_usage = self.kv.usage()
         s.num_free_blocks = self.kv.num_free_blocks
+        s.num_held_blocks_per_group = self.kv.num_held_blocks()
         s.prefix_cache_queries, s.prefix_cache_hits = self.kv.stats.queries, self.kv.stats.hits
         return SchedulerStats(**{f: getattr(s, f) for f in s.__struct_fields__})

@@ -30,10 +30,12 @@ class StepPlan:
         self.computed_before: list[int] = []  # tokens each had computed before
         # A running request's blocks new this step; None for one admitted from the
         # waiting queue this step (the runner gets all of its data).
-        self.new_block_ids: list[list[int] | None] = []
+        self.new_block_ids: list[list[list[int]] | None] = []
         self.preempted = False
 
-    def add(self, req: Request, n: int, num_computed: int, new_block_ids: list[int] | None) -> None:
+    def add(
+        self, req: Request, n: int, num_computed: int, new_block_ids: list[list[int]] | None
+    ) -> None:
         """`req` computes `n` tokens this step, after `num_computed`."""
         self.reqs.append(req)
         self.num_tokens.append(n)

@@ -33,6 +33,7 @@ from asyncllm.messages import (
     RequestError,
     SchedulerStats,
 )
+from asyncllm.model.kv_groups import engine_kv_cache_layout
 from asyncllm.request_checks import check_params_for_model, check_prompt_token_ids
 from asyncllm.sampling_params import INT64_MAX, INT64_MIN
 from asyncllm.step_io import ModelRunnerOutput, SchedulerOutput
@@ -59,6 +60,7 @@ class EngineCore:
             cache.block_size,
             config.model.max_model_len,
             cache.enable_prefix_caching,
+            engine_kv_cache_layout(config),
         )
         vocab_size = getattr(config.model.hf_config, "vocab_size", None)
         self.vocab_size: int | None = int(vocab_size) if vocab_size is not None else None

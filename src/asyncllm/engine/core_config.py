@@ -129,13 +129,37 @@ def _keep(target: Path, fields: dict[str, Any]) -> None:
         pass  # (a cache: the next start reads config.json again)
 
 
+# Multimodal checkpoints whose text model runs alone: architecture -> the field of its
+# config that holds the text model's (the model class skips the other weights).
+TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "text_config"}
+
+
+def text_model_config(hf_config: HFConfig) -> HFConfig:
+    """The config the engine runs: a multimodal checkpoint's text model's (keeping the
+    checkpoint's architecture, and the token ids only the outer config sets), else the
+    config itself."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    key = next((TEXT_MODEL_OF[a] for a in archs if a in TEXT_MODEL_OF), None)
+    if key is None:
+        return hf_config
+    outer = hf_config.to_dict()
+    fields = dict(outer.get(key) or {})
+    if not fields:
+        raise ValueError(f"{archs[0]} config has no {key!r}")
+    for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if fields.get(name) is None and outer.get(name) is not None:
+            fields[name] = outer[name]
+    fields["architectures"] = archs
+    return HFConfig(fields)
+
+
 def create_model_config(args: EngineArgs) -> ModelConfig:
     """Resolves the model to a local folder (converting a GGUF once) and reads its
-    config."""
+    config (a multimodal checkpoint's text model's: `text_model_config`)."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     path = resolve_model_path(args.model, revision=args.revision)
-    hf_config = read_hf_config(path)
+    hf_config = text_model_config(read_hf_config(path))
     limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
     max_len = args.max_model_len or limit or 2048
     if limit and max_len > limit:
@@ -197,6 +221,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=float(args.gpu_memory_utilization),
+        hybrid_kv_cache=not args.disable_hybrid_kv_cache_manager,
     )
     parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size)
     parallel.distributed_executor_backend = args.distributed_executor_backend or default_backend(

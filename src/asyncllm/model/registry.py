@@ -5,7 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from asyncllm.model.interface import CausalLM
-from asyncllm.model.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from asyncllm.model.models.gemma import (
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
+)
 from asyncllm.model.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -16,6 +20,7 @@ from asyncllm.model.models.llama import (
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

@@ -31,7 +31,9 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, num_groups: int = 1
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
@@ -39,7 +41,8 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         # Tokens sampled by steps in flight, not in token_ids yet (async scheduling).
         self.num_pending = np.zeros(max_num_reqs, dtype=np.int32)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        # [KV cache group, row, block]: every group's table covers the same tokens
+        self.block_table = np.zeros((num_groups, max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -48,7 +51,7 @@ class InputBatch:
         return len(self.requests)
 
     def add(
-        self, state_args: dict, block_ids: list[int], num_computed_tokens: int
+        self, state_args: dict, block_ids: list[list[int]], num_computed_tokens: int
     ) -> CachedRequestState:
         """Gives the request a row. Raises (and takes no row) if it cannot be added: a
         full batch, an id already in it, or more tokens or blocks than fit a row."""
@@ -62,7 +65,12 @@ class InputBatch:
         tokens = state.prompt_token_ids + state.output_token_ids
         if len(tokens) > self.max_model_len:
             raise ValueError(f"request {state.req_id!r} has more than max_model_len tokens")
-        if len(block_ids) > self.block_table.shape[1]:
+        if block_ids and len(block_ids) != self.block_table.shape[0]:
+            raise ValueError(
+                f"request {state.req_id!r} has blocks of {len(block_ids)} KV cache groups, "
+                f"the model {self.block_table.shape[0]}"
+            )
+        if block_ids and len(block_ids[0]) > self.block_table.shape[2]:
             raise ValueError(f"request {state.req_id!r} has more blocks than max_model_len needs")
         row = state.row
         self.token_ids[row, : len(tokens)] = tokens  # raises for ids past int64
@@ -81,12 +89,16 @@ class InputBatch:
             self._free_rows.append(state.row)
         return state
 
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
-        n = int(self.num_blocks[row])
-        if n + len(block_ids) > self.block_table.shape[1]:
+    def append_blocks(self, row: int, block_ids: list[list[int]]) -> None:
+        """Appends each KV cache group's new blocks ([] or one list per group, all of
+        one length) to the row's tables."""
+        if not block_ids:
+            return
+        n, k = int(self.num_blocks[row]), len(block_ids[0])
+        if n + k > self.block_table.shape[2]:
             raise RuntimeError("block table overflow: more blocks than max_model_len needs")
-        self.block_table[row, n : n + len(block_ids)] = block_ids
-        self.num_blocks[row] = n + len(block_ids)
+        self.block_table[:, row, n : n + k] = block_ids
+        self.num_blocks[row] = n + k
 
     def write_tokens(self, state: CachedRequestState, start: int, tokens: list[int]) -> None:
         """The tokens at positions [start, start + len(tokens)) of a request, as the

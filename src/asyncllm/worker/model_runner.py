@@ -50,6 +50,7 @@ from asyncllm.model.attention.registry import (
     choose_attention_backend,
 )
 from asyncllm.model.interface import CausalLM
+from asyncllm.model.kv_groups import engine_kv_cache_layout
 from asyncllm.model.loader import load_model
 from asyncllm.model.pipeline import HIDDEN_STATES, IntermediateTensors
 from asyncllm.request_checks import check_params_for_model, check_prompt_token_ids
@@ -84,7 +85,9 @@ class ModelRunner:
         self.attention, self.backend = choose_attention_backend(config.attention_backend, needs)
         sched = config.scheduler
         max_blocks = -(-self.max_model_len // self.block_size)
-        self.input_batch = InputBatch(sched.max_num_seqs, self.max_model_len, max_blocks)
+        self.kv_layout = engine_kv_cache_layout(config)
+        groups = len(self.kv_layout.groups)
+        self.input_batch = InputBatch(sched.max_num_seqs, self.max_model_len, max_blocks, groups)
         self.vocab_size = int(mc.hf_config.vocab_size)
         # This rank's pipeline stage: a stage before the last hands its hidden states to
         # the next and samples nothing; one after the first takes the previous one's.
@@ -98,6 +101,7 @@ class ModelRunner:
             sched.max_num_seqs,
             max_blocks,
             self.device,
+            groups,
         )
         self.sampling = SamplingState(sched.max_num_seqs, self.vocab_size, self.device)
         self.processors: list[LogitsProcessor] = [
@@ -105,7 +109,8 @@ class ModelRunner:
             for path in config.logits_processors
         ]
         self.model: CausalLM | None = None  # set by load_model, dropped at shutdown
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[torch.Tensor] = []  # per layer of this stage (shared: kv_groups)
+        self._layer_groups: list[int] | None = None  # (see layer_groups)
         self.graphs: DecodeGraphs | None = None
         self.graph_logits: torch.Tensor | None = None  # [largest size, vocab] float32
         # Each persistent row's last sampled token, on the device (async scheduling); the
@@ -150,18 +155,38 @@ class ModelRunner:
             raise RuntimeError("the model is not loaded: call load_model() first")
         return self.model
 
+    @property
+    def layer_groups(self) -> list[int]:
+        """The KV cache group of each layer of this stage (`model/kv_groups.py`)."""
+        if self._layer_groups is None:
+            layers = self.loaded_model().kv_cache_spec().layers
+            self._layer_groups = [self.kv_layout.tensor_of(i)[0] for i in layers]
+        return self._layer_groups
+
+    def _tensor_indices(self) -> list[int]:
+        """The KV tensor of each layer of this stage (`model/kv_groups.py`)."""
+        layout = self.kv_layout
+        return [layout.tensor_of(i)[1] for i in self.loaded_model().kv_cache_spec().layers]
+
     def kv_cache_block_bytes(self) -> int:
-        return self.loaded_model().kv_cache_spec().block_bytes(self.block_size, self.dtype)
+        """Bytes of one block id over this stage's KV tensors."""
+        spec = self.loaded_model().kv_cache_spec()
+        per_layer = spec.block_bytes(self.block_size, self.dtype) // spec.num_layers
+        return per_layer * len(set(self._tensor_indices()))
 
     def kv_cache_tensors(self, num_blocks: int) -> list[torch.Tensor]:
-        """One KV cache tensor per layer, in the attention backend's layout."""
+        """The KV cache of each layer of this stage, in the attention backend's layout:
+        the layers of different KV cache groups at one index share a tensor."""
         spec = self.loaded_model().kv_cache_spec()
         shape = self.backend.kv_cache_shape(
             num_blocks, self.block_size, spec.num_kv_heads, spec.head_size
         )
-        return [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)
-        ]
+        indices = self._tensor_indices()
+        tensors = {
+            j: torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for j in sorted(set(indices))
+        }
+        return [tensors[j] for j in indices]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self.kv_cache_tensors(num_blocks)
@@ -407,24 +432,29 @@ class ModelRunner:
             buf.input_ids.device.index_copy_(0, buf.pending_at.device[:k], sampled)
         return inputs
 
-    def attention_metadata(self, T: int, S: int) -> Any:
-        """The backend's attention metadata over the first T tokens and S sequences of
+    def attention_metadata(self, T: int, S: int) -> list[Any]:
+        """The backend's attention metadata of each layer of this stage (one per KV
+        cache group, shared by its layers) over the first T tokens and S sequences of
         the step buffers (already on the device)."""
         buf = self.buffers
         qsl = buf.query_start_loc.np[: S + 1]
         seq_lens = buf.seq_lens.np[:S]
-        common = CommonAttentionMetadata(
-            query_start_loc=buf.query_start_loc.device[: S + 1],
-            seq_lens=buf.seq_lens.device[:S],
-            block_table=buf.block_table.device[:S],
-            slot_mapping=buf.slot_mapping.device[:T],
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-            num_actual_tokens=int(qsl[-1]),
-            max_query_len=int(np.diff(qsl).max()) if S else 0,
-            max_seq_len=int(seq_lens.max()) if S else 0,
-        )
-        return self.backend.build_metadata(common, self.block_size)
+        per_group = {}
+        layer_groups = self.layer_groups
+        for g in sorted(set(layer_groups)):
+            common = CommonAttentionMetadata(
+                query_start_loc=buf.query_start_loc.device[: S + 1],
+                seq_lens=buf.seq_lens.device[:S],
+                block_table=buf.block_table.device[g, :S],
+                slot_mapping=buf.slot_mapping.device[g, :T],
+                query_start_loc_cpu=qsl,
+                seq_lens_cpu=seq_lens,
+                num_actual_tokens=int(qsl[-1]),
+                max_query_len=int(np.diff(qsl).max()) if S else 0,
+                max_seq_len=int(seq_lens.max()) if S else 0,
+            )
+            per_group[g] = self.backend.build_metadata(common, self.block_size)
+        return [per_group[g] for g in layer_groups]
 
     def forward(
         self, T: int, S: int, kv_caches: list[torch.Tensor], inert: bool = False

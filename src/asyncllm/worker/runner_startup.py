@@ -40,10 +40,10 @@ class RunnerStartup:
         qsl[0] = 0
         np.cumsum(lens, out=qsl[1 : S + 1])
         buf.seq_lens.np[:S] = lens
-        buf.block_table.np[:S] = 0
+        buf.block_table.np[:, :S] = 0
         buf.input_ids.np[:T] = 0
         buf.positions.np[:T] = np.concatenate([np.arange(n) for n in lens])
-        buf.slot_mapping.np[:T] = -1
+        buf.slot_mapping.np[:, :T] = -1
         buf.copy_to_device(S)
         scratch = r.kv_cache_tensors(1)
         model = r.loaded_model()
@@ -163,9 +163,9 @@ class RunnerStartup:
         buf.query_start_loc.np[0] = 0
         np.cumsum(lens, out=buf.query_start_loc.np[1 : S + 1])
         buf.seq_lens.np[:S] = lens
-        buf.block_table.np[:S] = 0
+        buf.block_table.np[:, :S] = 0
         buf.input_ids.np[:T] = 0
         buf.positions.np[:T] = 0
-        buf.slot_mapping.np[:T] = -1
+        buf.slot_mapping.np[:, :T] = -1
         buf.copy_to_device(S)
         return T

@@ -70,17 +70,23 @@ class StepBuffers:
     arena with one device twin, so a step sends them in a single copy of the whole
     arena (a few hundred KB at most, well under a launch's worth of host time); each
     tensor copy costs tens of µs of host time. The block table is copied on its own,
-    only the rows in use."""
+    only the rows in use. The slot mapping and the block table have one row per KV
+    cache group (`model/kv_groups.py`)."""
 
     def __init__(
-        self, max_num_tokens: int, max_num_seqs: int, max_blocks: int, device: torch.device
+        self,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_blocks: int,
+        device: torch.device,
+        num_groups: int = 1,
     ) -> None:
         self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
         on_cuda = device.type == "cuda"
         layout: list[tuple[str, int, torch.dtype]] = [
             ("input_ids", max_num_tokens, torch.int64),
             ("positions", max_num_tokens, torch.int64),
-            ("slot_mapping", max_num_tokens, torch.int64),
+            ("slot_mapping", num_groups * max_num_tokens, torch.int64),
             ("query_start_loc", max_num_seqs + 1, torch.int32),
             ("seq_lens", max_num_seqs, torch.int32),
             ("logit_rows", max_num_seqs, torch.int64),
@@ -106,7 +112,11 @@ class StepBuffers:
             )
         self.input_ids = views["input_ids"]
         self.positions = views["positions"]
-        self.slot_mapping = views["slot_mapping"]
+        # [KV cache group, token]
+        self.slot_mapping = _ArenaView(
+            views["slot_mapping"].cpu.view(num_groups, max_num_tokens),
+            views["slot_mapping"].device.view(num_groups, max_num_tokens),
+        )
         self.query_start_loc = views["query_start_loc"]
         self.seq_lens = views["seq_lens"]
         self.logit_rows = views["logit_rows"]
@@ -115,7 +125,10 @@ class StepBuffers:
         self.pending_rows = views["pending_rows"]  # the persistent row it comes from
         # a device step's: the rows whose last tokens go to the grammar process
         self.grammar_rows = views["grammar_rows"]
-        self.block_table = HostDeviceBuffer((max_num_seqs, max_blocks), torch.int32, device)
+        # [KV cache group, sequence, block]
+        self.block_table = HostDeviceBuffer(
+            (num_groups, max_num_seqs, max_blocks), torch.int32, device
+        )
         self._copies_done = torch.cuda.Event() if on_cuda else None
 
     def step_queued(self) -> None:
@@ -135,19 +148,21 @@ class StepBuffers:
         if padded_tokens > num_tokens:
             self.input_ids.np[num_tokens:padded_tokens] = 0
             self.positions.np[num_tokens:padded_tokens] = 0
-            self.slot_mapping.np[num_tokens:padded_tokens] = -1
+            self.slot_mapping.np[:, num_tokens:padded_tokens] = -1
         if padded_seqs > num_seqs:
             qsl = self.query_start_loc.np
             qsl[num_seqs + 1 : padded_seqs + 1] = qsl[num_seqs]
             self.seq_lens.np[num_seqs:padded_seqs] = 0
-            self.block_table.np[num_seqs:padded_seqs] = 0
+            self.block_table.np[:, num_seqs:padded_seqs] = 0
 
     def copy_to_device(self, num_seqs: int) -> None:
         """Queues the step's inputs for the device: the arena (one copy, whole) and the
         block table's first `num_seqs` rows."""
         if self.device_arena is not self.host_arena:
             self.device_arena.copy_(self.host_arena, non_blocking=True)
-        self.block_table.copy_to_device(num_seqs)
+        bt = self.block_table
+        if bt.device is not bt.cpu:
+            bt.device[:, :num_seqs].copy_(bt.cpu[:, :num_seqs], non_blocking=True)
 
 
 def padded_size(n: int, sizes: list[int]) -> int | None:

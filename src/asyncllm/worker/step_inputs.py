@@ -71,8 +71,8 @@ def gather_step_inputs(
     pending = np.nonzero(pos >= batch.num_tokens[tok_rows])[0]
     buf.pending_at.np[: len(pending)] = pending
     buf.pending_rows.np[: len(pending)] = tok_rows[pending]
-    buf.slot_mapping.np[:T] = batch.block_table[tok_rows, pos // bs] * bs + pos % bs
-    np.take(batch.block_table, rows, axis=0, out=buf.block_table.np[:S])
+    buf.slot_mapping.np[:, :T] = batch.block_table[:, tok_rows, pos // bs] * bs + pos % bs
+    np.take(batch.block_table, rows, axis=1, out=buf.block_table.np[:, :S])
     samples = np.nonzero(seq_lens >= batch.num_tokens[rows] + batch.num_pending[rows])[0]
     buf.sample_rows.np[: len(samples)] = rows[samples]
     buf.logit_rows.np[: len(samples)] = qsl[1:][samples] - 1

@@ -87,17 +87,20 @@ class Worker:
             num_blocks = cache.kv_cache_memory_bytes // block_bytes
         else:
             num_blocks = int(max(budget, 0) // block_bytes)
-        needed = -(-self.config.model.max_model_len // cache.block_size)
-        if num_blocks < needed:
+        # (over all KV cache groups: a windowed group holds only its window's blocks)
+        layout = self.runner.kv_layout
+        needed = layout.blocks_per_request(self.config.model.max_model_len, cache.block_size)
+        null = 1 if layout.hybrid else 0  # (the null block: see core/block_pool.py)
+        if num_blocks < needed + null:
             raise ValueError(
                 f"the KV cache has room for {num_blocks} blocks of {cache.block_size} tokens, but one "
-                f"request of max_model_len={self.config.model.max_model_len} tokens needs {needed}: "
-                "give the cache more memory or lower max_model_len"
+                f"request of max_model_len={self.config.model.max_model_len} tokens needs "
+                f"{needed + null}: give the cache more memory or lower max_model_len"
             )
         r = self.report
         r.num_blocks = num_blocks
         r.kv_cache_bytes = num_blocks * block_bytes
-        r.max_concurrency = num_blocks / needed
+        r.max_concurrency = (num_blocks - null) / needed
         return num_blocks
 
     def _profile_cuda_memory(self) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from asyncllm.model.attention.backend import AttentionBackend
+from asyncllm.model.kv_groups import layer_sliding_window
 
 logger = logging.getLogger(__name__)
 
@@ -88,12 +89,8 @@ class AttentionNeeds:
 
 def _uses_sliding_window(hf_config: Any) -> bool:
     """Whether some layer attends through a sliding window (as the models read it)."""
-    if not getattr(hf_config, "sliding_window", None):
-        return False
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types:
-        return "sliding_attention" in layer_types
-    return getattr(hf_config, "use_sliding_window", True) is not False
+    layers = range(int(getattr(hf_config, "num_hidden_layers", 0) or 0))
+    return any(layer_sliding_window(hf_config, i) is not None for i in layers)
 
 
 @dataclass(frozen=True)

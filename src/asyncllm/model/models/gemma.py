@@ -12,17 +12,20 @@ the config.
 - A GELU (tanh) gated MLP; the LM head tied to the embeddings; the final logits
   soft-capped (`final_logit_softcapping`, Gemma 2).
 
-Every layer keeps every token's KV for now (a windowed layer's old blocks are not freed).
+The windowed layers form KV cache groups of their own (`model/kv_groups.py`), which
+free the blocks that fall out of the window.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from asyncllm.model.attention.backend import AttentionBackend, AttentionLayerSpec
+from asyncllm.model.kv_groups import layer_sliding_window
 from asyncllm.model.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -86,7 +89,7 @@ class GemmaAttention(PagedSelfAttention):
             num_kv_heads=self.num_kv_heads,
             head_size=head_dim,
             scale=float(config.query_pre_attn_scalar) ** -0.5,
-            sliding_window=config.sliding_window if layer_type == "sliding_attention" else None,
+            sliding_window=layer_sliding_window(config, layer),
             logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
         )
 
@@ -161,3 +164,33 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     """Gemma 3's text model: Gemma 2's layout with a q/k norm and RoPE per layer type."""
 
     qk_norm = True
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text model of a Gemma 3 multimodal checkpoint, run alone (text in, text
+    out; images are not supported): its config is the checkpoint's `text_config`
+    (`engine/core_config.py`), its weights those under `language_model` (as transformers
+    names them before 4.52 and after); the vision tower and projector are not read."""
+
+    # checkpoint prefix -> ours
+    text_prefixes = (
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("lm_head.", "lm_head."),
+    )
+
+    def _text_name(self, checkpoint_name: str) -> str | None:
+        """Our checkpoint name for a text-model weight; None for the others."""
+        for prefix, ours in self.text_prefixes:
+            if checkpoint_name.startswith(prefix):
+                return ours + checkpoint_name[len(prefix) :]
+        return None
+
+    def holds_weight(self, checkpoint_name: str) -> bool:
+        name = self._text_name(checkpoint_name)
+        return name is not None and super().holds_weight(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        text = ((self._text_name(n), w) for n, w in weights)
+        return super().load_weights((n, w) for n, w in text if n is not None)

@@ -20,6 +20,7 @@ from torch import nn
 
 from asyncllm.model.attention.backend import AttentionBackend, AttentionLayerSpec
 from asyncllm.model.interface import CausalLM, KVCacheSpec
+from asyncllm.model.kv_groups import layer_sliding_window
 from asyncllm.model.layers.activation import SiluAndMul
 from asyncllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from asyncllm.model.layers.linear import (
@@ -39,18 +40,6 @@ from asyncllm.model.pipeline import (
     make_layers,
     missing_prefixes,
 )
-
-
-def _sliding_window(config: Any, layer: int) -> int | None:
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return window if layer_types[layer] == "sliding_attention" else None
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
-    return window
 
 
 class PagedSelfAttention(nn.Module):
@@ -114,7 +103,7 @@ class LlamaAttention(PagedSelfAttention):
             num_kv_heads=self.num_kv_heads,
             head_size=head_dim,
             scale=head_dim**-0.5,
-            sliding_window=_sliding_window(config, layer),
+            sliding_window=layer_sliding_window(config, layer),
         )
 
 
@@ -210,8 +199,12 @@ class LlamaModel(nn.Module):
             raise ValueError(f"pipeline stage {self.stage.rank} needs the previous stage's tensors")
         else:
             x, residual = intermediate_tensors[HIDDEN_STATES], intermediate_tensors[RESIDUAL]
-        for layer, kv_cache in zip(self.local_layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, attn_metadata)
+        if not isinstance(attn_metadata, list):  # (one metadata for every layer)
+            attn_metadata = [attn_metadata] * len(kv_caches)
+        for layer, kv_cache, metadata in zip(
+            self.local_layers, kv_caches, attn_metadata, strict=True
+        ):
+            x, residual = layer(positions, x, residual, kv_cache, metadata)
         if not self.is_last:
             return {HIDDEN_STATES: x, RESIDUAL: residual}
         x, _ = self.norm(x, residual)
