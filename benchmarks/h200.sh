@@ -34,6 +34,7 @@ export ASYNCLLM_CACHE=/tmp/asyncllm-cache
 Q06=(--model benchmarks/configs/qwen3-0.6b --load-format dummy --skip-tokenizer-init --dtype bfloat16)
 L8=(--model benchmarks/configs/llama-3.1-8b --load-format dummy --skip-tokenizer-init --dtype bfloat16)
 G3=(--model benchmarks/configs/gemma-3-1b --load-format dummy --skip-tokenizer-init --dtype bfloat16)
+MOE=(--model benchmarks/configs/qwen3-30b-a3b --load-format dummy --skip-tokenizer-init --dtype bfloat16)
 
 stage() {
     local name=$1
@@ -69,6 +70,8 @@ for s in "$@"; do
         --disable-hybrid-kv-cache-manager ;;
     eager-gemma3) stage "$s" python3 -m asyncllm.bench.latency "${G3[@]}" --enforce-eager ;;
     profile-gemma3) stage "$s" python3 -m asyncllm.bench.step_profile "${G3[@]}" --batch 1 256 ;;
+    latency-moe) stage "$s" python3 -m asyncllm.bench.latency "${MOE[@]}" "${SYNC[@]}" ;;
+    throughput-moe) stage "$s" python3 -m asyncllm.bench.throughput "${MOE[@]}" "${SYNC[@]}" ;;
     kv-gemma3) stage "$s" python3 benchmarks/hybrid_kv.py "${G3[@]}" --kv-cache-memory-bytes 8e9 ;;
     latency-8b) stage "$s" python3 -m asyncllm.bench.latency "${L8[@]}" "${SYNC[@]}" ;;
     throughput-8b) stage "$s" python3 -m asyncllm.bench.throughput "${L8[@]}" "${SYNC[@]}" ;;

@@ -118,3 +118,32 @@ def apply_token_bitmask_ref(
     if allowed.shape[1] < vocab:
         allowed = F.pad(allowed, (0, vocab - allowed.shape[1]))
     logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab], float("-inf"))
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """A mixture-of-experts layer (fused_moe.py's docstring), one routed expert at a
+    time: out [T, H] for x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights/ids [T, K];
+    the routed outputs summed in float32."""
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    flat = topk_ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    i = w13.shape[1] // 2
+    start = 0
+    for e, c in zip(experts.tolist(), counts.tolist()):
+        slots = order[start : start + c]
+        start += c
+        rows = slots // K
+        h = x[rows] @ w13[e].T
+        a = torch.nn.functional.silu(h[:, :i]) * h[:, i:]
+        y = (a @ w2[e].T).float() * topk_weights.flatten()[slots, None].float()
+        out.index_add_(0, rows, y)
+    return out.to(x.dtype)

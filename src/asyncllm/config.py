@@ -43,6 +43,13 @@ class HFConfig:
         return f"HFConfig({self.__dict__!r})"
 
 
+def num_experts(hf_config: Any) -> int:
+    """A mixture-of-experts config's experts per layer (0: a dense model), under either
+    name (transformers 5 writes `num_experts` as `num_local_experts`)."""
+    n = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    return int(n or 0)
+
+
 @dataclass
 class ModelConfig:
     """A model resolved to a local folder, with its Hugging Face config."""

@@ -80,7 +80,7 @@ def test_the_latency_prompt():
 
 
 def tiny_hf_configs():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     return {
         "llama": LlamaConfig(**TINY),
@@ -89,6 +89,15 @@ def tiny_hf_configs():
         "qwen2": Qwen2Config(**TINY),  # q/k/v biases
         "qwen3_tied": Qwen3Config(**{**TINY, "tie_word_embeddings": True}, head_dim=32),
         "qwen3": Qwen3Config(**{**TINY, "tie_word_embeddings": False}, head_dim=32),
+        # 8 experts of 2 per token on layer 0, layer 1 dense
+        "qwen3_moe": Qwen3MoeConfig(
+            **TINY,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            mlp_only_layers=[1],
+        ),
     }
 
 
@@ -139,6 +148,16 @@ def test_the_decode_floor():
     weights = untied.streamed_parameters() * 2
     assert floor["kv_bytes"] == kv and floor["weight_bytes"] == weights
     assert floor["floor_tok_s"] == pytest.approx(1e9 / (kv + weights))
+
+
+def test_a_decode_step_reads_only_the_experts_it_routes_to():
+    moe = ModelShape.from_hf_config(tiny_hf_configs()["qwen3_moe"])
+    assert (moe.num_experts, moe.experts_per_token, moe.sparse_layers) == (8, 2, 1)
+    expert = 3 * 64 * 24
+    held = moe.parameter_counts()["total"] - 384 * 64  # (the untied embedding: gathered)
+    assert moe.streamed_parameters() == held - 6 * expert  # batch 1: 2 of 8 experts
+    assert moe.active_experts(1) == 2 and moe.active_experts(4) == pytest.approx(8 * (1 - 0.75**4))
+    assert moe.streamed_parameters(10_000) == pytest.approx(held, abs=1)  # all of them
 
 
 def test_the_shipped_configs():

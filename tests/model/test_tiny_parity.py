@@ -38,6 +38,7 @@ def test_architecture_is_the_expected_class(tiny_pair):
         "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
+        "qwen3-moe": "Qwen3MoeForCausalLM",
         "gemma2": "Gemma2ForCausalLM",
         "gemma3": "Gemma3ForCausalLM",
     }[arch]

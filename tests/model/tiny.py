@@ -30,6 +30,7 @@ def tiny_config(arch: str):
         MistralConfig,
         Qwen2Config,
         Qwen3Config,
+        Qwen3MoeConfig,
     )
 
     if arch == "llama3":
@@ -62,6 +63,17 @@ def tiny_config(arch: str):
     elif arch == "qwen3":
         cfg = Qwen3Config(**{**COMMON, "tie_word_embeddings": True}, head_dim=32)
         cfg.architectures = ["Qwen3ForCausalLM"]
+    elif arch == "qwen3-moe":  # 8 experts, 2 per token, renormalised; layer 1 dense
+        cfg = Qwen3MoeConfig(
+            **COMMON,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        )
+        cfg.architectures = ["Qwen3MoeForCausalLM"]
     elif arch == "gemma2":  # a local then a global layer, both soft caps
         gemma = {**COMMON, "tie_word_embeddings": True, "head_dim": 16}
         cfg = Gemma2Config(**gemma, query_pre_attn_scalar=24, sliding_window=48)
@@ -123,7 +135,7 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **save_kwargs):
     return model
 
 
-ARCHS = ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]
+ARCHS = ["llama3", "mistral", "qwen2", "qwen3", "qwen3-moe", "gemma2", "gemma3"]
 # (qwen2-window, Qwen2 with a window from max_window_layers on, and gemma3-mm, Gemma 3's
 # multimodal checkpoint run as a text model, run through the engine in
 # tests/model/test_windowed_models.py)

@@ -4,6 +4,11 @@ A batch-1 decode step reads every weight matrix once, except the input embedding
 of which it gathers one row; the LM head is read in full (with tied embeddings it is the
 embedding table, counted once). It also reads the KV cache of the whole context. Divided
 by the memory bandwidth this gives the fastest a step can be, whatever the kernels do.
+
+A mixture-of-experts layer (Qwen3-MoE) holds all its experts but a step reads only the
+ones its tokens are routed to: at batch 1 the `num_experts_per_tok` chosen ones, in a
+batch of B tokens the distinct experts they choose (`active_experts`: under uniform
+routing, E * (1 - (1 - k/E)^B) on average).
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
+
+from asyncllm.config import num_experts
 
 H200_HBM_BYTES_PER_S = 4.3e12  # about 90% of the H200's 4.8 TB/s HBM3e peak
 
@@ -31,6 +38,12 @@ class ModelShape:
     o_bias: bool = False  # attention_bias (Llama, Qwen3)
     qk_norm: bool = False  # Qwen3: an RMSNorm weight of head_dim on q and on k
     mlp_bias: bool = False
+    # mixture of experts (Qwen3-MoE): experts per sparse layer, chosen per token, their
+    # width, and how many layers are sparse (the others keep the dense MLP)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate: int = 0
+    sparse_layers: int = 0
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelShape:
@@ -49,10 +62,17 @@ class ModelShape:
         head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
         attention_bias = bool(getattr(config, "attention_bias", False))
         is_qwen2 = model_type == "qwen2" or arch.startswith("Qwen2")
-        is_qwen3 = model_type == "qwen3" or arch.startswith("Qwen3")
+        is_qwen3 = model_type.startswith("qwen3") or arch.startswith("Qwen3")
+        layers = int(config.num_hidden_layers)
+        experts = num_experts(config)
+        sparse = 0
+        if experts:
+            step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+            dense = set(getattr(config, "mlp_only_layers", None) or [])
+            sparse = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
         return cls(
             hidden=hidden,
-            layers=int(config.num_hidden_layers),
+            layers=layers,
             heads=heads,
             kv_heads=kv_heads,
             head_dim=head_dim,
@@ -63,11 +83,20 @@ class ModelShape:
             o_bias=attention_bias and not is_qwen2,
             qk_norm=is_qwen3,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            num_experts=experts,
+            experts_per_token=int(getattr(config, "num_experts_per_tok", 0) or 0),
+            moe_intermediate=int(getattr(config, "moe_intermediate_size", 0) or 0),
+            sparse_layers=sparse,
         )
+
+    def expert_parameters(self) -> int:
+        """One expert's parameters (gate, up and down projections)."""
+        return 3 * self.hidden * self.moe_intermediate
 
     def parameter_counts(self) -> dict[str, int]:
         """Parameters by part; `total` is what the model holds (a tied LM head is the
-        embedding table, so it is not counted twice)."""
+        embedding table, so it is not counted twice). With experts, `per_layer` is a
+        dense layer's and `experts` all sparse layers' experts and routers."""
         h, d = self.hidden, self.head_dim
         q, kv = self.heads * d, self.kv_heads * d
         attn = h * (q + 2 * kv) + q * h
@@ -83,23 +112,40 @@ class ModelShape:
         per_layer = attn + mlp + 2 * h  # two RMSNorm weights
         embedding = self.vocab * h
         lm_head = 0 if self.tie_word_embeddings else self.vocab * h
-        layers = self.layers * per_layer
+        router = self.num_experts * h
+        experts = self.sparse_layers * (self.num_experts * self.expert_parameters() + router)
+        # (a sparse layer has no dense MLP)
+        layers = self.layers * per_layer - self.sparse_layers * mlp + experts
         return {
             "embedding": embedding,
             "lm_head": lm_head,
             "per_layer": per_layer,
+            "experts": experts,
             "layers": layers,
             "final_norm": h,
             "total": embedding + lm_head + layers + h,
         }
 
-    def streamed_parameters(self) -> int:
-        """Parameters a decode step reads in full: all but the gathered embedding table,
-        which with tied embeddings is read anyway, as the LM head."""
+    def active_experts(self, num_tokens: float) -> float:
+        """Experts of one sparse layer a step of `num_tokens` tokens reads, on average
+        under uniform routing (at one token, exactly `experts_per_token`)."""
+        e, k = self.num_experts, self.experts_per_token
+        if not e:
+            return 0.0
+        if num_tokens <= 1:
+            return float(k)
+        return e * (1.0 - (1.0 - k / e) ** num_tokens)
+
+    def streamed_parameters(self, num_tokens: float = 1) -> int:
+        """Parameters a decode step of `num_tokens` tokens reads: all but the gathered
+        embedding table (which with tied embeddings is read anyway, as the LM head) and
+        the experts no token is routed to."""
         counts = self.parameter_counts()
-        if self.tie_word_embeddings:
-            return counts["total"]
-        return counts["total"] - counts["embedding"]
+        total = counts["total"]
+        if not self.tie_word_embeddings:
+            total -= counts["embedding"]
+        idle = self.num_experts - self.active_experts(num_tokens)
+        return int(total - self.sparse_layers * idle * self.expert_parameters())
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return self.layers * 2 * self.kv_heads * self.head_dim * dtype_bytes

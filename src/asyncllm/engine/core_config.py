@@ -28,6 +28,7 @@ from asyncllm.config import (
     SchedulerConfig,
     SchedulingPolicy,
     default_capture_sizes,
+    num_experts,
 )
 from asyncllm.envs import cache_root
 from asyncllm.messages import ResolvedConfig
@@ -259,7 +260,8 @@ def default_backend(world_size: int, device: torch.device) -> str:
 
 def check_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
     """Refuses, before any worker starts, a tensor-parallel size the model cannot be
-    sharded over (its attention heads, KV heads, MLP width), a pipeline that cannot
+    sharded over (its attention heads, KV heads, MLP width; any size for a
+    mixture-of-experts model, whose experts are not sharded yet), a pipeline that cannot
     split its layers (or an ASYNCLLM_PP_LAYER_PARTITION that does not fit them), or a
     device count that is not there; the message names the numbers."""
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
@@ -282,9 +284,14 @@ def check_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
             )
     if tp == 1:
         return
+    what = f"tensor_parallel_size={tp} cannot shard {model.architecture}"
+    if num_experts(hf) > 0:
+        raise ValueError(
+            f"{what}: its mixture-of-experts layers are not sharded yet (run it at "
+            "tensor_parallel_size=1, or split its layers with pipeline_parallel_size)"
+        )
     heads = int(getattr(hf, "num_attention_heads", 0) or 0)
     kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
-    what = f"tensor_parallel_size={tp} cannot shard {model.architecture}"
     if heads:
         try:
             shard_attention_heads(heads, kv_heads, tp)

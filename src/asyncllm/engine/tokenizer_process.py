@@ -35,6 +35,7 @@ import msgspec
 
 from asyncllm import envs
 from asyncllm.child_process import ignore_terminal_signals, start_child
+from asyncllm.hf_tokenizer import load_hf_tokenizer
 
 _HEADER = 4
 
@@ -141,9 +142,7 @@ def main() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # (no "PyTorch not found")
     try:
         (path,) = _read(inp)
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_hf_tokenizer(path)
         hello = _hello(tokenizer)
     except EOFError:
         return
@@ -217,9 +216,7 @@ class ProcessTokenizer:
 
             self._decoder = ByteTableDecoder(hello["table"], hello["special"])
         else:  # not byte-level BPE: the host decodes with a tokenizer of its own
-            from transformers import AutoTokenizer
-
-            local = AutoTokenizer.from_pretrained(self.path)
+            local = load_hf_tokenizer(self.path)
             self._local = local
             backend = getattr(local, "backend_tokenizer", None)  # (10x cheaper a call)
             clean = getattr(local, "clean_up_tokenization_spaces", False)
@@ -285,9 +282,7 @@ class ProcessTokenizer:
         blocks the calling thread (and, holding the GIL, an event loop) ~0.2-0.4 s."""
         with self._local_lock:
             if self._local is None:
-                from transformers import AutoTokenizer
-
-                self._local = AutoTokenizer.from_pretrained(self.path)
+                self._local = load_hf_tokenizer(self.path)
         return self._local
 
     def __getattr__(self, name: str) -> Any:

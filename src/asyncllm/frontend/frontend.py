@@ -19,6 +19,7 @@ from asyncllm.frontend.chat import Messages, render_chat
 from asyncllm.frontend.input_processor import InputProcessor, PromptType
 from asyncllm.frontend.output_processor import OutputProcessor, ParentRequest, child_request_id
 from asyncllm.frontend.stats import LatencyStats, stats_dict
+from asyncllm.hf_tokenizer import load_hf_tokenizer
 from asyncllm.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -36,9 +37,7 @@ def load_tokenizer(config: ResolvedConfig) -> Any | None:
     of its own)."""
     if config.tokenizer is None:
         return None
-    from transformers import AutoTokenizer  # imported when needed: it takes seconds
-
-    return AutoTokenizer.from_pretrained(config.tokenizer)
+    return load_hf_tokenizer(config.tokenizer)
 
 
 def request_exception(request_id: str, error: RequestError) -> Exception:

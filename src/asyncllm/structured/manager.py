@@ -26,6 +26,7 @@ from typing import IO, Any
 import torch
 
 from asyncllm.envs import grammar_threads
+from asyncllm.hf_tokenizer import load_hf_tokenizer
 from asyncllm.sampling_params import StructuredOutputsParams
 from asyncllm.step_io import MASK_FLAG, TOKENS_FLAG, GrammarSync, flag_reached
 from asyncllm.structured import grammar_process
@@ -290,10 +291,8 @@ class StructuredOutputManager:
             if self._compiler is None:
                 if self.tokenizer_path is None:
                     raise ValueError("structured outputs need the tokenizer (skip_tokenizer_init)")
-                from transformers import AutoTokenizer
-
                 xgr = xgrammar_module()
-                tok = AutoTokenizer.from_pretrained(self.tokenizer_path)
+                tok = load_hf_tokenizer(self.tokenizer_path)
                 info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size)
                 self._stop_token_ids = frozenset(info.stop_token_ids)
                 self._tokenizer_info = info

@@ -108,15 +108,14 @@ class LlamaAttention(PagedSelfAttention):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, intermediate_size: int | None = None):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=bias
-        )
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        inter = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,11 +124,18 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: Any, layer: int, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool
+        self,
+        config: Any,
+        layer: int,
+        backend: AttentionBackend,
+        qkv_bias: bool,
+        qk_norm: bool,
+        mlp: nn.Module | None = None,
     ):
+        """`mlp`: the layer's MLP (default: Llama's, of the config's intermediate size)."""
         super().__init__()
         self.self_attn = LlamaAttention(config, layer, backend, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

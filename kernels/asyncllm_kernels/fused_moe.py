@@ -1,0 +1,178 @@
+"""A mixture-of-experts layer as two grouped GEMMs over tokens sorted by expert.
+
+Each of T tokens is routed to K experts. The T * K (token, expert) pairs ("slots": slot
+s is token s // K's k-th choice) are sorted by expert and each expert's run is padded to
+a multiple of BLOCK_M (`align_slots_by_expert`), so a tile of BLOCK_M sorted slots
+belongs to one expert: one program multiplies those slots' rows by that expert's weight
+tile, and a decode step reads each routed expert's weights once, however many of the
+batch's tokens chose it.
+
+    h = x[s // K] @ w13[e].T          (w13: [E, 2I, H], gate then up)
+    a = silu(h[:, :I]) * h[:, I:]
+    y[s] = weight[s] * (a @ w2[e].T)  (w2: [E, H, I])
+    out[t] = sum over k of y[t * K + k]
+
+The sort runs on the device with fixed-size outputs (no host sync), so a step can be
+captured in a CUDA graph. `reference.fused_moe_ref` is the same in plain torch, expert
+by expert: the CPU path, and the kernel's reference in tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def align_slots_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_slots, block_experts, num_padded): the slots (indices into
+    topk_ids.flatten()) grouped by expert, each expert's group padded with T * K (no
+    slot) to a multiple of `block_m`; the expert of each block of `block_m`; and the
+    padded length as a one-element tensor. Outputs have their largest size, T * K +
+    E * (block_m - 1) rounded up to `block_m`, whatever the routing."""
+    flat = topk_ids.flatten().to(torch.int64)
+    n = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    size = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
+    order = torch.argsort(flat, stable=True)
+    # each sorted slot's rank within its expert's group
+    first_of_expert = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(n, device=dev) - first_of_expert[flat[order]]
+    sorted_slots = torch.full((size,), n, dtype=torch.int64, device=dev)
+    sorted_slots.scatter_(0, starts[flat[order]] + rank, order)
+    blocks = torch.arange(size // block_m, device=dev) * block_m
+    block_experts = torch.searchsorted(ends, blocks, right=True).clamp_(max=num_experts - 1)
+    return sorted_slots, block_experts, ends[-1:]
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,  # [rows, K]: x (rows = tokens, A_ROW_DIV = top_k) or a (rows = slots, 1)
+    w_ptr,  # [E, N, K]
+    c_ptr,  # [slots, N]
+    weights_ptr,  # [slots] routing weights (used with MUL_WEIGHT)
+    sorted_slots_ptr,
+    block_experts_ptr,
+    num_padded_ptr,
+    num_slots,
+    N,
+    K,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_cm,
+    A_ROW_DIV: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_slots_ptr + offs_m)
+    valid = slots < num_slots
+    rows = tl.where(valid, slots // A_ROW_DIV, 0)
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + offs_k) < K
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += tl.dot(a, w, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if MUL_WEIGHT:
+        rw = tl.load(weights_ptr + slots, mask=valid, other=0.0)
+        acc = acc * rw.to(tl.float32)[:, None]
+    c_ptrs = c_ptr + slots.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+def _grouped_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    topk_weights: torch.Tensor | None,
+    a_row_div: int,
+    block_m: int,
+) -> None:
+    sorted_slots, block_experts, num_padded = routing
+    num_slots = out.shape[0]
+    N, K = w.shape[1], w.shape[2]
+    block_n = 64 if N >= 64 else triton.next_power_of_2(max(N, 16))
+    block_k = 64 if K >= 64 else triton.next_power_of_2(max(K, 16))
+    grid = (sorted_slots.numel() // block_m, triton.cdiv(N, block_n))
+    weights = topk_weights if topk_weights is not None else out
+    _grouped_gemm_kernel[grid](
+        a,
+        w,
+        out,
+        weights,
+        sorted_slots,
+        block_experts,
+        num_padded,
+        num_slots,
+        N,
+        K,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        A_ROW_DIV=a_row_div,
+        MUL_WEIGHT=topk_weights is not None,
+        # (float32 products in full precision, not TF32: the reference's)
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
+
+
+def block_m_for(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """Slots per tile: small for a few slots per expert (decode), larger for prefill."""
+    per_expert = num_tokens * top_k / num_experts
+    return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """out [T, H] for x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights/ids [T, K]
+    (see the module docstring); x's dtype, float32 accumulation."""
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E, two_i, _ = w13.shape
+    if T == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    block_m = block_m_for(T, K, E)
+    routing = align_slots_by_expert(topk_ids, E, block_m)
+    h = torch.empty(T * K, two_i, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, h, routing, None, K, block_m)
+    i = two_i // 2
+    a = (torch.nn.functional.silu(h[:, :i].float()) * h[:, i:].float()).to(x.dtype)
+    y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
+    weights = topk_weights.flatten().to(torch.float32).contiguous()
+    _grouped_gemm(a, w2, y, routing, weights, 1, block_m)
+    return y.view(T, K, H).sum(dim=1, dtype=torch.float32).to(x.dtype)

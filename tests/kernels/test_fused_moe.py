@@ -1,0 +1,72 @@
+"""The fused mixture-of-experts kernels against the plain-torch reference (under the
+interpreter on CPU, on the GPU in the GPU suite): the expert sort, and whole layers
+with skewed routing (experts with no token, one expert with most), float32 and the
+GPU's bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncllm_kernels.fused_moe import align_slots_by_expert, fused_moe
+from asyncllm_kernels.reference import fused_moe_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (the interpreter has no bfloat16)
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def test_the_sort_groups_each_experts_slots_in_padded_blocks():
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2]], device=DEVICE)
+    slots, experts, padded = align_slots_by_expert(ids, num_experts=5, block_m=4)
+    n = ids.numel()
+    # Expert 0: slots 1, 4; expert 1: 3; expert 2: 7; expert 3: 0, 2, 5, 6; expert 4: none.
+    assert int(padded) == 4 * 4
+    assert slots[:16].tolist() == [1, 4, n, n, 3, n, n, n, 7, n, n, n, 0, 2, 5, 6]
+    assert experts[:4].tolist() == [0, 1, 2, 3]
+    # Fixed sizes whatever the routing (for CUDA graphs): the rest is padding.
+    assert slots.numel() == -(-(n + 5 * 3) // 4) * 4 and (slots[16:] == n).all()
+
+
+def _layer(T, E, K, H, inter, dtype, seed, skew=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    w13 = torch.randn(E, 2 * inter, H, generator=g) / H**0.5
+    w2 = torch.randn(E, H, inter, generator=g) / inter**0.5
+    logits = torch.randn(T, E, generator=g)
+    if skew:  # most tokens to expert 0, none to the last two
+        logits[:, 0] += 4.0
+        logits[:, -2:] -= 100.0
+    weights, ids = torch.topk(torch.softmax(logits, -1), K, dim=-1)
+    put = lambda t: t.to(DEVICE)  # noqa: E731
+    return (
+        put(x.to(dtype)),
+        put(w13.to(dtype)),
+        put(w2.to(dtype)),
+        put(weights.to(dtype)),
+        put(ids),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "T,E,K,H,inter,skew",
+    [
+        (1, 8, 2, 64, 32, False),  # a decode step
+        (5, 8, 2, 48, 40, True),  # dimensions off the tiles, skewed routing
+        (70, 16, 4, 64, 32, True),  # larger tiles (more slots per expert)
+    ],
+)
+def test_fused_moe_equals_the_reference(dtype, T, E, K, H, inter, skew):
+    x, w13, w2, weights, ids = _layer(T, E, K, H, inter, dtype, seed=T, skew=skew)
+    got = fused_moe(x, w13, w2, weights, ids)
+    want = fused_moe_ref(x.float(), w13.float(), w2.float(), weights.float(), ids)
+    assert got.dtype == dtype and got.shape == (T, H)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    err = ((got.float() - want).norm() / want.norm()).item()
+    assert err <= tol, err
+
+
+def test_no_tokens_give_an_empty_output():
+    x, w13, w2, weights, ids = _layer(1, 4, 2, 16, 16, torch.float32, seed=0)
+    assert fused_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 16)
