@@ -48,16 +48,28 @@ def _layer(T, E, K, H, inter, dtype, seed, skew=False):
     )
 
 
+CASES = [
+    (1, 8, 2, 64, 32, False),  # a decode step
+    (5, 8, 2, 48, 40, True),  # dimensions off the tiles, skewed routing
+    (70, 16, 4, 64, 32, True),  # larger tiles (more slots per expert)
+]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "T,E,K,H,inter,skew",
-    [
-        (1, 8, 2, 64, 32, False),  # a decode step
-        (5, 8, 2, 48, 40, True),  # dimensions off the tiles, skewed routing
-        (70, 16, 4, 64, 32, True),  # larger tiles (more slots per expert)
-    ],
-)
+@pytest.mark.parametrize("T,E,K,H,inter,skew", CASES)
 def test_fused_moe_equals_the_reference(dtype, T, E, K, H, inter, skew):
+    _check(dtype, T, E, K, H, inter, skew)
+
+
+@pytest.mark.gpu  # (the same cases on the GPU suite's run, bfloat16 too)
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,E,K,H,inter,skew", CASES)
+def test_fused_moe_on_cuda(dtype, T, E, K, H, inter, skew):
+    _check(dtype, T, E, K, H, inter, skew)
+
+
+def _check(dtype, T, E, K, H, inter, skew):
     x, w13, w2, weights, ids = _layer(T, E, K, H, inter, dtype, seed=T, skew=skew)
     got = fused_moe(x, w13, w2, weights, ids)
     want = fused_moe_ref(x.float(), w13.float(), w2.float(), weights.float(), ids)
