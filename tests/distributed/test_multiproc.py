@@ -160,7 +160,7 @@ def test_the_config_crosses_to_a_worker_as_plain_data():
     import msgspec
 
     from asyncllm.engine.core_config import create_engine_config
-    from asyncllm.executor.multiproc import config_to_plain
+    from asyncllm.executor.multiproc_messages import config_to_plain
     from asyncllm.executor.multiproc_worker import config_from_plain
 
     config = create_engine_config(EngineArgs(device="cpu", scheduling_policy="priority"))

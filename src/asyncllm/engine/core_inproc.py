@@ -19,7 +19,8 @@ from asyncllm.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerSta
 def _dead_on_worker_failure() -> Iterator[None]:
     """A worker that died or stalled (the multiprocess and Ray executors) ends the engine
     for good: EngineDeadError, as from an engine-core process."""
-    from asyncllm.executor.multiproc import StepTimeoutError, WorkerDiedError
+    from asyncllm.executor.multiproc import StepTimeoutError
+    from asyncllm.executor.worker_handles import WorkerDiedError
 
     try:
         yield

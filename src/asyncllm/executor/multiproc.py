@@ -51,20 +51,15 @@ writer died before).
 
 from __future__ import annotations
 
-import builtins
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
 import select
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from pathlib import Path
 from typing import IO, Any
 
@@ -76,13 +71,31 @@ from asyncllm.config import EngineConfig
 from asyncllm.distributed.shm_queue import DEFAULT_SPIN_S, QueueClosed, QueueHandle, ShmQueue
 from asyncllm.engine.serial import StepDecoder, StepEncoder
 from asyncllm.executor.base import Executor, StepFuture
+from asyncllm.executor.multiproc_messages import (
+    CONTROL,
+    ENCODER,
+    LEN_BYTES,
+    MESSAGE_DECODER,
+    STEP,
+    ControlCall,
+    WorkerError,
+    WorkerReady,
+    WorkerReply,
+    WorkerStartup,
+    config_to_plain,
+    frame,
+)
+from asyncllm.executor.worker_handles import (
+    WorkerDiedError,
+    WorkerHandle,
+    WorkerProc,
+    exit_reason,
+    free_port,
+    rebuild_error,
+)
 from asyncllm.step_io import GrammarMemory, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-# The first frame of a message on the step queue.
-STEP = b"S"
-CONTROL = b"C"
 
 GRACEFUL_EXIT_S = 3.0  # how long shutdown waits for the workers to leave by themselves
 KILL_WAIT_S = 5.0
@@ -92,11 +105,6 @@ STEP_QUEUE_CHUNK_BYTES = 1 << 20  # larger steps go over the queue's ZMQ socket
 RESULT_QUEUE_CHUNKS = 4
 CPU_SPIN_S = 1e-4  # a short spin: on the CPU the ranks often outnumber the cores
 WORKER_MODULE = "asyncllm.executor.multiproc_worker"
-_LEN_BYTES = 4
-
-
-class WorkerDiedError(RuntimeError):
-    """A worker process ended, or failed, while the engine needed it."""
 
 
 class WorkerStartTimeoutError(TimeoutError):
@@ -105,165 +113,6 @@ class WorkerStartTimeoutError(TimeoutError):
 
 class StepTimeoutError(TimeoutError):
     """No result came for a model step within ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S."""
-
-
-# --- what goes between the core and a worker (msgspec structs, plain data) -------------
-
-
-class WorkerStartup(msgspec.Struct, kw_only=True):
-    """The core -> worker startup message, on the worker's stdin."""
-
-    rank: int
-    world_size: int
-    tensor_parallel_size: int
-    pipeline_parallel_size: int
-    local_rank: int
-    init_method: str
-    backend: str  # "gloo" or "nccl"
-    result_rank: int  # the rank that writes the result queue
-    steps: QueueHandle
-    steps_reader: int  # this worker's reader index on the step queue
-    # None: the core reads the result queue over shared memory (it shares the result
-    # rank's machine); else the result rank's address, where it serves it over TCP.
-    results_host: str | None = None
-    config: dict[str, Any]  # `config_to_plain`
-    threads: int  # torch's intra-op threads
-
-
-class ControlCall(msgspec.Struct, array_like=True):
-    call_id: int
-    method: str
-    args: list[Any] = []
-
-
-class WorkerReady(msgspec.Struct, tag="ready", kw_only=True):
-    rank: int
-    results: QueueHandle | None  # the result queue, from the rank that writes it
-
-
-class WorkerReply(msgspec.Struct, tag="reply", kw_only=True):
-    rank: int
-    call_id: int
-    value: Any = None
-
-
-class WorkerError(msgspec.Struct, tag="error", kw_only=True):
-    rank: int
-    error_type: str
-    message: str
-    call_id: int | None = None  # the call it answers; None: the worker is exiting
-
-
-WorkerMessage = WorkerReady | WorkerReply | WorkerError
-_ENCODER = msgspec.msgpack.Encoder()
-_MESSAGE_DECODER = msgspec.msgpack.Decoder(WorkerMessage)
-
-
-def frame(msg: Any) -> bytes:
-    """A length-prefixed msgpack message (the pipes' framing)."""
-    body = _ENCODER.encode(msg)
-    return len(body).to_bytes(_LEN_BYTES, "big") + body
-
-
-def config_to_plain(config: EngineConfig) -> dict[str, Any]:
-    """The resolved configuration as plain data (msgpack-able; the worker rebuilds it
-    with `multiproc_worker.config_from_plain`): torch dtypes and devices by their names,
-    paths as strings, the model's config as its dict, enums by value."""
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            part = {g.name: getattr(value, g.name) for g in dataclasses.fields(value)}
-            if f.name == "model":
-                part["path"] = str(part["path"])
-                part["hf_config"] = part["hf_config"].to_dict()
-                part["dtype"] = str(part["dtype"]).removeprefix("torch.")
-                part["device"] = str(part["device"])
-            value = part
-        out[f.name] = value
-    return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rebuild_error(error_type: str, message: str) -> BaseException:
-    """A worker's error as the builtin exception it was (ValueError, MemoryError, ...),
-    else a WorkerDiedError naming its type."""
-    cls = getattr(builtins, error_type, None)
-    if isinstance(cls, type) and issubclass(cls, Exception):
-        try:
-            return cls(message)
-        except Exception:  # noqa: BLE001 (a constructor that wants more)
-            pass
-    return WorkerDiedError(f"{error_type}: {message}")
-
-
-def _exit_reason(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-@dataclasses.dataclass(eq=False)
-class WorkerHandle:
-    """The core's side of one worker: what it said (`inbox`, and the error it sent
-    before exiting), and its life (a process here; a Ray actor in ray_distributed.py)."""
-
-    rank: int
-    inbox: deque[Any] = dataclasses.field(default_factory=deque, kw_only=True)
-    eof: bool = dataclasses.field(default=False, kw_only=True)  # its replies have ended
-    error: WorkerError | None = dataclasses.field(default=None, kw_only=True)
-
-    @property
-    def pid(self) -> int:
-        raise NotImplementedError
-
-    def poll(self) -> int | None:
-        """Its exit code (negative: the signal that killed it), None while it runs."""
-        raise NotImplementedError
-
-    def wait(self, timeout: float) -> None:
-        """Waits up to `timeout` seconds for it to end."""
-        raise NotImplementedError
-
-    def kill(self) -> None:
-        raise NotImplementedError
-
-    def describe(self) -> str:
-        return f"pid {self.pid}"
-
-
-@dataclasses.dataclass(eq=False)
-class _WorkerProc(WorkerHandle):
-    proc: subprocess.Popen
-    replies: int  # the read end of its reply pipe (non-blocking)
-    pending: bytearray = dataclasses.field(default_factory=bytearray)
-    pidfd: int | None = None
-
-    @property
-    def pid(self) -> int:
-        return int(self.proc.pid)
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def wait(self, timeout: float) -> None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, OSError):
-                self.proc.kill()
 
 
 class _StepFuture:
@@ -401,7 +250,7 @@ class MultiprocExecutor(Executor):
 
     def _init_method(self) -> str:
         """torch.distributed's rendezvous (rank 0 serves it)."""
-        return f"tcp://127.0.0.1:{_free_port()}"
+        return f"tcp://127.0.0.1:{free_port()}"
 
     def _device_index(self, rank: int) -> int:
         """Worker `rank`'s CUDA device index (its local rank): the engine's device's
@@ -447,7 +296,7 @@ class MultiprocExecutor(Executor):
             finally:
                 os.close(write_end)
             os.set_blocking(read_end, False)
-            self._workers.append(_WorkerProc(rank, proc=proc, replies=read_end))
+            self._workers.append(WorkerProc(rank, proc=proc, replies=read_end))
             stdin: IO[bytes] | None = proc.stdin
             assert stdin is not None
             try:
@@ -492,19 +341,19 @@ class MultiprocExecutor(Executor):
                     w.eof = True
                     break
                 w.pending += data
-            while len(w.pending) >= _LEN_BYTES:
-                size = int.from_bytes(w.pending[:_LEN_BYTES], "big")
-                if len(w.pending) < _LEN_BYTES + size:
+            while len(w.pending) >= LEN_BYTES:
+                size = int.from_bytes(w.pending[:LEN_BYTES], "big")
+                if len(w.pending) < LEN_BYTES + size:
                     break
-                body = bytes(w.pending[_LEN_BYTES : _LEN_BYTES + size])
-                del w.pending[: _LEN_BYTES + size]
+                body = bytes(w.pending[LEN_BYTES : LEN_BYTES + size])
+                del w.pending[: LEN_BYTES + size]
                 self._deliver(body, w)
 
     def _deliver(self, body: bytes, w: WorkerHandle | None = None) -> None:
         """A reply into its worker's inbox (`w`, or the rank it names); the error a
         worker sends as it exits is kept apart."""
         try:
-            msg = _MESSAGE_DECODER.decode(body)
+            msg = MESSAGE_DECODER.decode(body)
         except msgspec.DecodeError as e:
             logger.warning("a worker sent a malformed reply: %s", e)
             return
@@ -529,7 +378,7 @@ class MultiprocExecutor(Executor):
         code = w.poll()
         what = "while starting" if starting else ""
         reason = f"worker rank {w.rank} ({w.describe()}) died {what}".rstrip()
-        reason += f": {_exit_reason(code)}"
+        reason += f": {exit_reason(code)}"
         if w.error is not None:
             reason += f"; it reported {w.error.error_type}: {w.error.message}"
         return WorkerDiedError(reason)
@@ -556,7 +405,7 @@ class MultiprocExecutor(Executor):
                 while w.inbox:
                     msg = w.inbox.popleft()
                     if isinstance(msg, WorkerError) and msg.call_id == call_id:
-                        error = _rebuild_error(msg.error_type, msg.message)
+                        error = rebuild_error(msg.error_type, msg.message)
                         raise error from WorkerDiedError(
                             f"worker rank {w.rank}: {msg.error_type}: {msg.message}"
                         )
@@ -572,7 +421,7 @@ class MultiprocExecutor(Executor):
                     w.wait(1.0)
                     if starting and w.error is not None:
                         e = w.error
-                        raise _rebuild_error(
+                        raise rebuild_error(
                             e.error_type, f"worker rank {w.rank} failed to start: {e.message}"
                         )
                     raise self._death(w, starting)
@@ -584,7 +433,7 @@ class MultiprocExecutor(Executor):
         """Runs `method` on every rank (a control message on the step queue); each
         rank's answer."""
         call_id = next(self._call_ids)
-        self._send([CONTROL, _ENCODER.encode(ControlCall(call_id, method, list(args)))])
+        self._send([CONTROL, ENCODER.encode(ControlCall(call_id, method, list(args)))])
         return self._collect(WorkerReply, call_id)
 
     # -- failures --------------------------------------------------------------------------
@@ -601,7 +450,7 @@ class MultiprocExecutor(Executor):
                 dead.sort(key=lambda w: (int(w.poll() or 0) >= 0, w.rank))
                 error = self._death(dead[0])
                 if len(dead) > 1:
-                    others = ", ".join(f"rank {w.rank} {_exit_reason(w.poll())}" for w in dead[1:])
+                    others = ", ".join(f"rank {w.rank} {exit_reason(w.poll())}" for w in dead[1:])
                     error = WorkerDiedError(f"{error} (also ended: {others})")
                 self._fail(error)
             return
@@ -709,7 +558,7 @@ class MultiprocExecutor(Executor):
         self._raise_if_failed()
         if seq >= self._flushed and seq == self._launched - 1:
             # Nothing launched after it: the workers hold its result until told.
-            self._send([CONTROL, _ENCODER.encode(ControlCall(-1, "flush"))])
+            self._send([CONTROL, ENCODER.encode(ControlCall(-1, "flush"))])
             self._flushed = self._launched
         assert self._results is not None
         timeout = envs.execute_model_timeout_s()
@@ -776,7 +625,7 @@ class MultiprocExecutor(Executor):
         if alive and not failed and self._steps is not None and not self._steps.closed:
             try:
                 message = ControlCall(next(self._call_ids), "shutdown")
-                self._steps.enqueue_frames([CONTROL, _ENCODER.encode(message)], timeout=1.0)
+                self._steps.enqueue_frames([CONTROL, ENCODER.encode(message)], timeout=1.0)
             except Exception:  # noqa: BLE001 (then they are killed)
                 pass
         deadline = time.monotonic() + (0 if failed else GRACEFUL_EXIT_S)

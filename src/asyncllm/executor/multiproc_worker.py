@@ -80,7 +80,7 @@ class ReplyPipe:
         self.fd = fd
 
     def send(self, msg: Any) -> None:
-        from asyncllm.executor.multiproc import frame
+        from asyncllm.executor.multiproc_messages import frame
 
         view = memoryview(frame(msg))
         while view:
@@ -88,7 +88,7 @@ class ReplyPipe:
 
 
 def config_from_plain(plain: dict[str, Any]) -> Any:
-    """`multiproc.config_to_plain`'s inverse: the EngineConfig the core resolved."""
+    """`multiproc_messages.config_to_plain`'s inverse: the EngineConfig the core resolved."""
     import torch
 
     from asyncllm.config import (
@@ -158,8 +158,8 @@ class WorkerProc:
             READERS_TIMEOUT_S,
             RESULT_QUEUE_CHUNKS,
             STEP_QUEUE_CHUNK_BYTES,
-            WorkerReady,
         )
+        from asyncllm.executor.multiproc_messages import WorkerReady
         from asyncllm.worker.worker import Worker
 
         self.rank = startup.rank
@@ -224,7 +224,13 @@ class WorkerProc:
         import msgspec
 
         from asyncllm.distributed.shm_queue import QueueClosed
-        from asyncllm.executor.multiproc import CONTROL, STEP, ControlCall, WorkerError, WorkerReply
+        from asyncllm.executor.multiproc_messages import (
+            CONTROL,
+            STEP,
+            ControlCall,
+            WorkerError,
+            WorkerReply,
+        )
 
         call_decoder = msgspec.msgpack.Decoder(ControlCall)
         in_flight: deque[Any] = deque()

@@ -39,7 +39,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import socket
 import threading
 import time
 from typing import Any
@@ -49,12 +48,9 @@ import zmq
 
 from asyncllm import envs
 from asyncllm.config import EngineConfig
-from asyncllm.executor.multiproc import (
-    MultiprocExecutor,
-    WorkerDiedError,
-    WorkerHandle,
-    WorkerStartup,
-)
+from asyncllm.executor.multiproc import MultiprocExecutor
+from asyncllm.executor.multiproc_messages import WorkerStartup
+from asyncllm.executor.worker_handles import WorkerDiedError, WorkerHandle, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -100,12 +96,6 @@ def connect_ray(ray: Any) -> bool:
     return True
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
 class RayWorker:
     """One rank, in a Ray actor (`ray.remote(RayWorker)`)."""
 
@@ -113,7 +103,7 @@ class RayWorker:
         """(its node id, its pid, a free TCP port on its node)."""
         import ray
 
-        return ray.get_runtime_context().get_node_id(), os.getpid(), _free_port()
+        return ray.get_runtime_context().get_node_id(), os.getpid(), free_port("")
 
     def run(self, startup: bytes, reply_address: str, env: dict[str, str]) -> int:
         """The rank's whole life (`multiproc_worker.serve`): returns when it is shut

@@ -32,7 +32,12 @@ from asyncllm.model.layers.linear import (
     RowParallelLinear,
 )
 from asyncllm.model.layers.rotary import get_rope, rope_parameters
-from asyncllm.model.models.llama import LlamaForCausalLM, LlamaModel, PagedSelfAttention
+from asyncllm.model.models.llama import (
+    LlamaForCausalLM,
+    LlamaModel,
+    PagedSelfAttention,
+    input_norm,
+)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -124,11 +129,7 @@ class GemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
 
     def forward(self, positions, x, residual, kv_cache, attn_metadata):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = input_norm(self.input_layernorm, x, residual)
         x = self.self_attn(positions, x, kv_cache, attn_metadata)
         x = self.post_attention_layernorm(x)
         x, residual = self.pre_feedforward_layernorm(x, residual)

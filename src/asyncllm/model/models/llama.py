@@ -122,6 +122,16 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+def input_norm(
+    norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's input norm with the residual stream: the first layer's residual
+    is its input; later ones add the stream first (the norm fuses the add)."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -140,11 +150,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, x, residual, kv_cache, attn_metadata):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = input_norm(self.input_layernorm, x, residual)
         x = self.self_attn(positions, x, kv_cache, attn_metadata)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
