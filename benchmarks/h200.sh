@@ -35,6 +35,10 @@ Q06=(--model benchmarks/configs/qwen3-0.6b --load-format dummy --skip-tokenizer-
 L8=(--model benchmarks/configs/llama-3.1-8b --load-format dummy --skip-tokenizer-init --dtype bfloat16)
 G3=(--model benchmarks/configs/gemma-3-1b --load-format dummy --skip-tokenizer-init --dtype bfloat16)
 MOE=(--model benchmarks/configs/qwen3-30b-a3b --load-format dummy --skip-tokenizer-init --dtype bfloat16)
+DS=(--model benchmarks/configs/deepseek-v2-lite --load-format dummy --skip-tokenizer-init --dtype bfloat16)
+# The latency stages' floor: HBM=3.0e12 for an H100 (90% of its 3.35 TB/s); default the H200's
+BW=()
+[ -n "${HBM:-}" ] && BW=(--hbm-bandwidth "$HBM")
 
 stage() {
     local name=$1
@@ -70,8 +74,12 @@ for s in "$@"; do
         --disable-hybrid-kv-cache-manager ;;
     eager-gemma3) stage "$s" python3 -m asyncllm.bench.latency "${G3[@]}" --enforce-eager ;;
     profile-gemma3) stage "$s" python3 -m asyncllm.bench.step_profile "${G3[@]}" --batch 1 256 ;;
-    latency-moe) stage "$s" python3 -m asyncllm.bench.latency "${MOE[@]}" "${SYNC[@]}" ;;
+    latency-moe) stage "$s" python3 -m asyncllm.bench.latency "${MOE[@]}" "${SYNC[@]}" "${BW[@]}" ;;
     throughput-moe) stage "$s" python3 -m asyncllm.bench.throughput "${MOE[@]}" "${SYNC[@]}" ;;
+    latency-moe8) stage "$s" python3 -m asyncllm.bench.latency "${MOE[@]}" "${SYNC[@]}" "${BW[@]}" --max-num-seqs 8 ;;
+    latency-deepseek) stage "$s" python3 -m asyncllm.bench.latency "${DS[@]}" "${SYNC[@]}" "${BW[@]}" ;;
+    throughput-deepseek) stage "$s" python3 -m asyncllm.bench.throughput "${DS[@]}" "${SYNC[@]}" ;;
+    profile-deepseek) stage "$s" python3 -m asyncllm.bench.step_profile "${DS[@]}" --batch 1 256 --trace-dir "$OUT" && gzip -f "$OUT"/trace-*.json ;;
     kv-gemma3) stage "$s" python3 benchmarks/hybrid_kv.py "${G3[@]}" --kv-cache-memory-bytes 8e9 ;;
     latency-8b) stage "$s" python3 -m asyncllm.bench.latency "${L8[@]}" "${SYNC[@]}" ;;
     throughput-8b) stage "$s" python3 -m asyncllm.bench.throughput "${L8[@]}" "${SYNC[@]}" ;;

@@ -23,15 +23,99 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncllm_kernels.elementwise import silu_and_mul
+
+SMALL_ALIGN_SLOTS = 4096  # up to this many slots, the sort is one program's launch
+
 
 def align_slots_by_expert(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_slots, block_experts, num_padded): the slots (indices into
-    topk_ids.flatten()) grouped by expert, each expert's group padded with T * K (no
-    slot) to a multiple of `block_m`; the expert of each block of `block_m`; and the
-    padded length as a one-element tensor. Outputs have their largest size, T * K +
-    E * (block_m - 1) rounded up to `block_m`, whatever the routing."""
+    topk_ids.flatten()) grouped by expert in slot order, each expert's group padded
+    with T * K (no slot) to a multiple of `block_m`; the expert of each block of
+    `block_m`; and the padded length as a one-element tensor. Outputs have their largest
+    size, T * K + E * (block_m - 1) rounded up to `block_m`, whatever the routing.
+
+    Up to `SMALL_ALIGN_SLOTS` slots (decode steps) one Triton program does it all in one
+    launch; more take the torch ops (`align_slots_by_expert_torch`), a dozen launches
+    that scale."""
+    n = topk_ids.numel()
+    if n > SMALL_ALIGN_SLOTS:
+        return align_slots_by_expert_torch(topk_ids, num_experts, block_m)
+    flat = topk_ids.flatten()
+    size = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
+    sorted_slots = torch.empty(size, dtype=torch.int64, device=flat.device)
+    block_experts = torch.empty(size // block_m, dtype=torch.int64, device=flat.device)
+    num_padded = torch.empty(1, dtype=torch.int64, device=flat.device)
+    _align_small_kernel[(1,)](
+        flat,
+        sorted_slots,
+        block_experts,
+        num_padded,
+        n,
+        size,
+        num_experts,
+        block_m,
+        BLOCK=64,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        num_warps=4,
+    )
+    return sorted_slots, block_experts, num_padded
+
+
+@triton.jit
+def _align_small_kernel(
+    ids_ptr,
+    sorted_ptr,
+    block_experts_ptr,
+    num_padded_ptr,
+    n,
+    size,
+    num_experts,
+    block_m,
+    BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int64)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int64)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int64), axis=0)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    for start in range(0, size, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(sorted_ptr + offs, tl.zeros([BLOCK], dtype=tl.int64) + n, mask=offs < size)
+    real = experts < num_experts
+    for start in range(0, size // block_m, BLOCK):
+        blocks = start + tl.arange(0, BLOCK)
+        first = (blocks * block_m).to(tl.int64)
+        e = tl.sum(((ends[None, :] <= first[:, None]) & real[None, :]).to(tl.int64), axis=1)
+        tl.store(
+            block_experts_ptr + blocks,
+            tl.minimum(e, num_experts - 1),
+            mask=blocks < size // block_m,
+        )
+    tl.debug_barrier()  # (the padding is written before the slots overwrite it)
+    seen = tl.zeros([BLOCK_E], dtype=tl.int64)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int64)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int64)
+        rank = tl.cumsum(onehot, axis=0)  # inclusive: 1 for an expert's first slot here
+        pos = tl.sum(onehot * ((starts + seen)[None, :] + rank - 1), axis=1)
+        tl.store(sorted_ptr + pos, offs.to(tl.int64), mask=offs < n)
+        seen += tl.sum(onehot, axis=0)
+
+
+def align_slots_by_expert_torch(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`align_slots_by_expert` in torch ops (any number of slots)."""
     flat = topk_ids.flatten().to(torch.int64)
     n = flat.numel()
     dev = flat.device
@@ -170,9 +254,72 @@ def fused_moe(
     routing = align_slots_by_expert(topk_ids, E, block_m)
     h = torch.empty(T * K, two_i, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, h, routing, None, K, block_m)
-    i = two_i // 2
-    a = (torch.nn.functional.silu(h[:, :i].float()) * h[:, i:].float()).to(x.dtype)
+    a = silu_and_mul(h)
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
     weights = topk_weights.flatten().to(torch.float32).contiguous()
     _grouped_gemm(a, w2, y, routing, weights, 1, block_m)
     return y.view(T, K, H).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+@triton.jit
+def _softmax_topk_kernel(
+    logits_ptr,  # [T, E]
+    weights_ptr,  # [T, K] float32
+    ids_ptr,  # [T, K] int64
+    num_experts,
+    stride_l,
+    scaling,
+    K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    mask = offs < num_experts
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(mask, p, -1.0)
+    total = 0.0
+    for k in tl.static_range(K):
+        best = tl.max(p, axis=0)
+        idx = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)  # (the lowest on a tie)
+        tl.store(ids_ptr + t * K + k, idx.to(tl.int64))
+        tl.store(weights_ptr + t * K + k, best)
+        total += best
+        p = tl.where(offs == idx, -1.0, p)
+    if RENORMALIZE:
+        for k in tl.static_range(K):
+            w = tl.load(weights_ptr + t * K + k)
+            tl.store(weights_ptr + t * K + k, w / total * scaling)
+    elif scaling != 1.0:
+        for k in tl.static_range(K):
+            w = tl.load(weights_ptr + t * K + k)
+            tl.store(weights_ptr + t * K + k, w * scaling)
+
+
+def softmax_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, scaling: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k] int64), best first: the k highest
+    softmax probabilities of each row (computed in float32), renormalised to sum to 1 when
+    asked, times `scaling`; one launch (torch's softmax, topk and scaling take three or
+    more)."""
+    T, E = router_logits.shape
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
+    if T == 0:
+        return weights, ids
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    _softmax_topk_kernel[(T,)](
+        logits,
+        weights,
+        ids,
+        E,
+        logits.stride(0),
+        float(scaling),
+        K=top_k,
+        RENORMALIZE=renormalize,
+        BLOCK_E=triton.next_power_of_2(E),
+    )
+    return weights, ids

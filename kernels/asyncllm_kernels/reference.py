@@ -147,3 +147,28 @@ def fused_moe_ref(
         y = (a @ w2[e].T).float() * topk_weights.flatten()[slots, None].float()
         out.index_add_(0, rows, y)
     return out.to(x.dtype)
+
+
+def mla_decode_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """Latent attention of one query token per sequence (mla_decode.py's docstring), in
+    float32: out [S, H, L] for q [S, H, L + R] and the latent cache [blocks, block_size,
+    L + R]; a sequence of length 0 gets zeros."""
+    S, H, _ = q.shape
+    block_size = kv_cache.shape[1]
+    out = q.new_zeros(S, H, kv_lora_rank)
+    for i in range(S):
+        n = int(seq_lens[i])
+        if n == 0:
+            continue
+        blocks = block_table[i, : -(-n // block_size)].long()
+        keys = kv_cache[blocks].reshape(-1, kv_cache.shape[-1])[:n].float()
+        scores = (q[i].float() @ keys.T) * scale  # [H, n]
+        out[i] = (scores.softmax(-1) @ keys[:, :kv_lora_rank]).to(q.dtype)
+    return out

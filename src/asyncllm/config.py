@@ -44,10 +44,14 @@ class HFConfig:
 
 
 def num_experts(hf_config: Any) -> int:
-    """A mixture-of-experts config's experts per layer (0: a dense model), under either
-    name (transformers 5 writes `num_experts` as `num_local_experts`)."""
-    n = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
-    return int(n or 0)
+    """A mixture-of-experts config's routed experts per layer (0: a dense model), under
+    any of its names (transformers 5 writes Qwen3-MoE's `num_experts` as
+    `num_local_experts`; DeepSeek's is `n_routed_experts`)."""
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        n = getattr(hf_config, name, None)
+        if n:
+            return int(n)
+    return 0
 
 
 @dataclass

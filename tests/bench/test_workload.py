@@ -80,7 +80,26 @@ def test_the_latency_prompt():
 
 
 def tiny_hf_configs():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        DeepseekV2Config,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
+
+    deepseek = dict(
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        n_shared_experts=2,
+    )
 
     return {
         "llama": LlamaConfig(**TINY),
@@ -98,6 +117,9 @@ def tiny_hf_configs():
             moe_intermediate_size=24,
             mlp_only_layers=[1],
         ),
+        # latent attention, layer 0 dense, layer 1 with 8 experts and 2 shared
+        "deepseek_v2": DeepseekV2Config(**TINY, **deepseek, q_lora_rank=None),
+        "deepseek_v2_q_lora": DeepseekV2Config(**TINY, **deepseek, q_lora_rank=24),
     }
 
 
@@ -160,6 +182,15 @@ def test_a_decode_step_reads_only_the_experts_it_routes_to():
     assert moe.streamed_parameters(10_000) == pytest.approx(held, abs=1)  # all of them
 
 
+def test_a_latent_cache_holds_one_vector_per_token_and_layer():
+    mla = ModelShape.from_hf_config(tiny_hf_configs()["deepseek_v2"])
+    assert mla.kv_bytes_per_token(2) == 2 * (32 + 8) * 2  # layers x (latent + rope) x bytes
+    assert mla.sparse_layers == 1  # (first_k_dense_replace=1 of 2 layers)
+    held = mla.parameter_counts()["total"] - 384 * 64
+    expert = 3 * 64 * 24
+    assert mla.streamed_parameters() == held - 6 * expert  # the shared experts are read
+
+
 def test_the_shipped_configs():
     from transformers import AutoConfig
 
@@ -173,6 +204,13 @@ def test_the_shipped_configs():
     assert ModelShape.from_hf_config(llama).parameter_counts()["total"] == 8_030_261_248
     floor = decode_floor(ModelShape.from_hf_config(qwen), 2, 128, 512)
     assert 3000 < floor["floor_tok_s"] < 4000  # ~1.24 GB a step at 4.3 TB/s
+    # DeepSeek-V2-Lite's published sizes: 15.7B parameters, 2.4B active per token.
+    lite = ModelShape.from_hf_config(
+        AutoConfig.from_pretrained(ROOT / "benchmarks/configs/deepseek-v2-lite")
+    )
+    assert lite.parameter_counts()["total"] == 15_706_484_224
+    assert round(lite.streamed_parameters() / 1e9, 2) == 2.45  # read by a batch-1 step
+    assert lite.kv_bytes_per_token(2) == 27 * 576 * 2
 
 
 def test_report_helpers():

@@ -8,7 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncllm_kernels.fused_moe import align_slots_by_expert, fused_moe
+from asyncllm_kernels.fused_moe import (
+    align_slots_by_expert,
+    align_slots_by_expert_torch,
+    fused_moe,
+    softmax_topk,
+)
 from asyncllm_kernels.reference import fused_moe_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -82,3 +87,28 @@ def _check(dtype, T, E, K, H, inter, skew):
 def test_no_tokens_give_an_empty_output():
     x, w13, w2, weights, ids = _layer(1, 4, 2, 16, 16, torch.float32, seed=0)
     assert fused_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 16)
+
+
+@pytest.mark.parametrize("T,K,E,block_m", [(1, 6, 64, 16), (7, 2, 5, 4), (300, 8, 128, 32)])
+def test_the_one_program_sort_equals_the_torch_one(T, K, E, block_m):
+    g = torch.Generator().manual_seed(T)
+    ids = torch.randint(0, E, (T, K), generator=g)
+    ids[: T // 2, 0] = 1  # a crowded expert (and some with no slot)
+    ids = ids.to(DEVICE)
+    got = align_slots_by_expert(ids, E, block_m)
+    want = align_slots_by_expert_torch(ids, E, block_m)
+    for g_, w_ in zip(got, want, strict=True):
+        assert g_.dtype == w_.dtype and torch.equal(g_, w_)
+
+
+@pytest.mark.parametrize("renormalize,scaling", [(False, 1.0), (True, 1.0), (False, 1.5)])
+def test_the_routing_kernel_equals_softmax_and_topk(renormalize, scaling):
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(9, 20, generator=g).to(DEVICE)
+    weights, ids = softmax_topk(logits, 3, renormalize, scaling)
+    probs = torch.softmax(logits.float(), -1)
+    want_w, want_ids = torch.topk(probs, 3, dim=-1)
+    if renormalize:
+        want_w = want_w / want_w.sum(-1, keepdim=True)
+    assert torch.equal(ids, want_ids)
+    assert torch.allclose(weights, want_w * scaling, rtol=1e-5, atol=1e-7)

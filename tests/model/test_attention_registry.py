@@ -75,7 +75,7 @@ def tiny_folder(tmp_path_factory):
 
 def test_the_built_in_backends_come_first_and_triton_stays_unimported():
     names = attention_backend_names()
-    assert names[:2] == ["triton", "torch_native"]
+    assert names[:4] == ["triton", "triton_mla", "torch_native", "torch_mla"]
     triton = find_attention_backend("triton", AttentionNeeds(torch.device("cuda")))
     assert triton.cudagraph_support is AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     assert triton.kv_cache_layout is KVCacheLayout.KV_BLOCKS_TOKENS_HEADS
@@ -131,11 +131,23 @@ def test_auto_skips_a_backend_without_a_feature_the_model_needs(counting):
         windowed = AttentionNeeds(CPU, features=frozenset({AttentionFeature.SLIDING_WINDOW}))
         with pytest.raises(ValueError, match="attention_backend 'lean' does not support sliding"):
             find_attention_backend("lean", windowed)
-        latent = AttentionNeeds(CPU, features=frozenset({AttentionFeature.LATENT_ATTENTION}))
-        with pytest.raises(ValueError, match="attention_backend 'auto': no backend fits"):
-            find_attention_backend("auto", latent)
     finally:
         unregister_attention_backend("lean")
+
+
+def test_latent_attention_takes_an_mla_backend_and_only_it():
+    latent = frozenset({AttentionFeature.LATENT_ATTENTION})
+    assert find_attention_backend("auto", AttentionNeeds(CPU, features=latent)).name == "torch_mla"
+    cuda = AttentionNeeds(torch.device("cuda"), torch.bfloat16, 576, 16, latent)
+    mla = find_attention_backend("auto", cuda)
+    assert mla.name == "triton_mla" and mla.kv_cache_layout is KVCacheLayout.LATENT_BLOCKS_TOKENS
+    assert mla.cudagraph_support is AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    with pytest.raises(ValueError, match="'triton' does not support latent attention"):
+        find_attention_backend("triton", cuda)
+    # An MLA backend serves nothing else, so "auto" never picks one for a plain model.
+    with pytest.raises(ValueError, match="'torch_mla' serves only latent-attention"):
+        find_attention_backend("torch_mla", AttentionNeeds(CPU))
+    assert find_attention_backend("auto", AttentionNeeds(CPU)).name == "torch_native"
 
 
 def test_an_unknown_name_is_a_clear_error():

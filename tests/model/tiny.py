@@ -24,6 +24,7 @@ COMMON = dict(
 
 def tiny_config(arch: str):
     from transformers import (
+        DeepseekV2Config,
         Gemma2Config,
         Gemma3TextConfig,
         LlamaConfig,
@@ -74,6 +75,43 @@ def tiny_config(arch: str):
             mlp_only_layers=[1],
         )
         cfg.architectures = ["Qwen3MoeForCausalLM"]
+    elif arch in ("deepseek-v2", "deepseek-v2-lora"):
+        # MLA (a latent of 32 + a rotary key of 8; q through q_lora_rank in the -lora
+        # variant, with YaRN and its mscale); layer 0 dense, then 8 routed experts, 3 per
+        # token, in 4 groups of which 2 are kept, and 2 shared experts.
+        lora = arch == "deepseek-v2-lora"
+        cfg = DeepseekV2Config(
+            **{**COMMON, "num_key_value_heads": 4},
+            kv_lora_rank=32,
+            q_lora_rank=24 if lora else None,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=24,
+            n_shared_experts=2,
+            topk_method="group_limited_greedy" if lora else "greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+            rope_parameters=(
+                {
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 256,
+                    "mscale": 0.707,
+                    "mscale_all_dim": 0.707,
+                    "beta_fast": 32,
+                    "beta_slow": 1,
+                }
+                if lora
+                else None
+            ),
+        )
+        cfg.architectures = ["DeepseekV2ForCausalLM"]
     elif arch == "gemma2":  # a local then a global layer, both soft caps
         gemma = {**COMMON, "tie_word_embeddings": True, "head_dim": 16}
         cfg = Gemma2Config(**gemma, query_pre_attn_scalar=24, sliding_window=48)

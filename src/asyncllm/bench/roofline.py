@@ -5,10 +5,16 @@ of which it gathers one row; the LM head is read in full (with tied embeddings i
 embedding table, counted once). It also reads the KV cache of the whole context. Divided
 by the memory bandwidth this gives the fastest a step can be, whatever the kernels do.
 
-A mixture-of-experts layer (Qwen3-MoE) holds all its experts but a step reads only the
-ones its tokens are routed to: at batch 1 the `num_experts_per_tok` chosen ones, in a
-batch of B tokens the distinct experts they choose (`active_experts`: under uniform
-routing, E * (1 - (1 - k/E)^B) on average).
+A mixture-of-experts layer (Qwen3-MoE, DeepSeek-V2) holds all its experts but a step
+reads only the ones its tokens are routed to: at batch 1 the `num_experts_per_tok`
+chosen ones, in a batch of B tokens the distinct experts they choose (`active_experts`:
+under uniform routing, E * (1 - (1 - k/E)^B) on average), plus DeepSeek's shared experts,
+which every token goes through.
+
+A latent-attention model (MLA: DeepSeek-V2) caches one vector of `kv_lora_rank +
+qk_rope_head_dim` values per token and layer instead of K and V, and its attention
+weights are the low-rank projections (`q_a/q_b` or `q_proj`, `kv_a_proj_with_mqa`,
+`kv_b_proj`, `o_proj`).
 """
 
 from __future__ import annotations
@@ -44,6 +50,13 @@ class ModelShape:
     experts_per_token: int = 0
     moe_intermediate: int = 0
     sparse_layers: int = 0
+    shared_intermediate: int = 0  # DeepSeek's shared experts, one MLP of their summed width
+    # latent attention (MLA); kv_lora_rank 0: ordinary attention
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: a full-rank q_proj
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelShape:
@@ -69,7 +82,13 @@ class ModelShape:
         if experts:
             step = int(getattr(config, "decoder_sparse_step", 1) or 1)
             dense = set(getattr(config, "mlp_only_layers", None) or [])
-            sparse = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+            first = int(getattr(config, "first_k_dense_replace", 0) or 0)
+            sparse = sum(
+                1 for i in range(layers) if i not in dense and (i + 1) % step == 0 and i >= first
+            )
+        moe_inter = int(getattr(config, "moe_intermediate_size", 0) or 0)
+        shared = int(getattr(config, "n_shared_experts", 0) or 0) * moe_inter
+        latent = int(getattr(config, "kv_lora_rank", 0) or 0)
         return cls(
             hidden=hidden,
             layers=layers,
@@ -85,8 +104,14 @@ class ModelShape:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             num_experts=experts,
             experts_per_token=int(getattr(config, "num_experts_per_tok", 0) or 0),
-            moe_intermediate=int(getattr(config, "moe_intermediate_size", 0) or 0),
+            moe_intermediate=moe_inter,
             sparse_layers=sparse,
+            shared_intermediate=shared,
+            kv_lora_rank=latent,
+            q_lora_rank=int(getattr(config, "q_lora_rank", 0) or 0) if latent else 0,
+            qk_nope_head_dim=int(getattr(config, "qk_nope_head_dim", 0) or 0) if latent else 0,
+            qk_rope_head_dim=int(getattr(config, "qk_rope_head_dim", 0) or 0) if latent else 0,
+            v_head_dim=int(getattr(config, "v_head_dim", 0) or 0) if latent else 0,
         )
 
     def expert_parameters(self) -> int:
@@ -98,14 +123,17 @@ class ModelShape:
         embedding table, so it is not counted twice). With experts, `per_layer` is a
         dense layer's and `experts` all sparse layers' experts and routers."""
         h, d = self.hidden, self.head_dim
-        q, kv = self.heads * d, self.kv_heads * d
-        attn = h * (q + 2 * kv) + q * h
-        if self.qkv_bias:
-            attn += q + 2 * kv
-        if self.o_bias:
-            attn += h
-        if self.qk_norm:
-            attn += 2 * d
+        if self.kv_lora_rank:
+            attn = self.latent_attention_parameters()
+        else:
+            q, kv = self.heads * d, self.kv_heads * d
+            attn = h * (q + 2 * kv) + q * h
+            if self.qkv_bias:
+                attn += q + 2 * kv
+            if self.o_bias:
+                attn += h
+            if self.qk_norm:
+                attn += 2 * d
         mlp = 3 * h * self.intermediate
         if self.mlp_bias:
             mlp += 2 * self.intermediate + h
@@ -113,7 +141,10 @@ class ModelShape:
         embedding = self.vocab * h
         lm_head = 0 if self.tie_word_embeddings else self.vocab * h
         router = self.num_experts * h
-        experts = self.sparse_layers * (self.num_experts * self.expert_parameters() + router)
+        shared = 3 * h * self.shared_intermediate
+        experts = self.sparse_layers * (
+            self.num_experts * self.expert_parameters() + router + shared
+        )
         # (a sparse layer has no dense MLP)
         layers = self.layers * per_layer - self.sparse_layers * mlp + experts
         return {
@@ -125,6 +156,21 @@ class ModelShape:
             "final_norm": h,
             "total": embedding + lm_head + layers + h,
         }
+
+    def latent_attention_parameters(self) -> int:
+        """One MLA layer's attention weights (biases aside)."""
+        h, heads, r = self.hidden, self.heads, self.kv_lora_rank
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.q_lora_rank:
+            q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * qk
+        else:
+            q = h * heads * qk
+        kv = (
+            h * (r + self.qk_rope_head_dim)
+            + r
+            + r * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        )
+        return q + kv + heads * self.v_head_dim * h
 
     def active_experts(self, num_tokens: float) -> float:
         """Experts of one sparse layer a step of `num_tokens` tokens reads, on average
@@ -148,6 +194,8 @@ class ModelShape:
         return int(total - self.sparse_layers * idle * self.expert_parameters())
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        if self.kv_lora_rank:  # (one latent vector per token and layer)
+            return self.layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
         return self.layers * 2 * self.kv_heads * self.head_dim * dtype_bytes
 
 

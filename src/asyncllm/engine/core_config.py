@@ -261,11 +261,18 @@ def default_backend(world_size: int, device: torch.device) -> str:
 def check_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
     """Refuses, before any worker starts, a tensor-parallel size the model cannot be
     sharded over (its attention heads, KV heads, MLP width; any size for a
-    mixture-of-experts model, whose experts are not sharded yet), a pipeline that cannot
+    mixture-of-experts model, whose experts are not sharded yet; any parallelism for a
+    latent-attention model), a pipeline that cannot
     split its layers (or an ASYNCLLM_PP_LAYER_PARTITION that does not fit them), or a
     device count that is not there; the message names the numbers."""
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     hf = model.hf_config
+    if parallel.world_size > 1 and getattr(hf, "kv_lora_rank", None) is not None:
+        raise ValueError(
+            f"tensor_parallel_size={tp} x pipeline_parallel_size={pp}: "
+            f"{model.architecture} uses latent attention (MLA), which runs on one GPU only "
+            "until tested on several (set both to 1)"
+        )
     if pp > 1:
         layers = int(getattr(hf, "num_hidden_layers", 0) or 0)
         try:

@@ -31,12 +31,16 @@ class KVCacheSpec:
     The layers are this rank's pipeline stage's: `num_layers` of them from
     `first_layer` (0 and every layer at one stage), so `kv_caches[i]` in `forward` is
     the cache of the model's layer `first_layer + i`, and `block_bytes` is one stage's.
+
+    A `latent` cache (multi-head latent attention) holds one vector of `head_size`
+    values per token and layer instead of K and V (`num_kv_heads` is 1).
     """
 
     num_layers: int
     num_kv_heads: int
     head_size: int
     first_layer: int = 0
+    latent: bool = False
 
     @property
     def layers(self) -> range:
@@ -45,7 +49,8 @@ class KVCacheSpec:
 
     def block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
         """Bytes one block of `block_size` tokens takes over all layers, K and V."""
-        per_layer = 2 * block_size * self.num_kv_heads * self.head_size * dtype.itemsize
+        per_token = (1 if self.latent else 2) * self.num_kv_heads * self.head_size
+        per_layer = block_size * per_token * dtype.itemsize
         return per_layer * self.num_layers
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncllm.model.interface import CausalLM
+from asyncllm.model.models.deepseek_v2 import DeepseekV2ForCausalLM
 from asyncllm.model.models.gemma import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -19,6 +20,7 @@ from asyncllm.model.models.llama import (
 from asyncllm.model.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,

@@ -29,6 +29,9 @@ class DecodeGraphs:
         self.pool: Any = None  # the shared memory pool's handle, from the first capture
         self.capture_seconds = 0.0
         self.pool_bytes = 0
+        # Device memory each size's capture took (its warm-up included): the largest's
+        # holds the pool's intermediates, a smaller one's mostly its executable.
+        self.bytes_by_size: dict[int, int] = {}
         self.replays = 0
 
     def capture(self, prepare: Callable[[int], None], forward: Callable[[int], None]) -> None:
@@ -38,6 +41,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         free_before, _ = torch.cuda.mem_get_info()
+        free = free_before
         for size in reversed(self.sizes):
             prepare(size)
             forward(size)  # warm-up: compiles kernels, sizes workspaces, outside the graph
@@ -48,6 +52,9 @@ class DecodeGraphs:
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[size] = graph
+            torch.cuda.synchronize()
+            now = torch.cuda.mem_get_info()[0]
+            self.bytes_by_size[size], free = free - now, now
         torch.cuda.synchronize()
         self.capture_seconds = time.monotonic() - t0
         torch.cuda.empty_cache()

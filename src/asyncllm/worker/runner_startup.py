@@ -1,6 +1,6 @@
 """The model runner's start-up work, run by the worker: the memory profile (a step at
-the largest shapes, and an eager decode step at the largest capture size, for the
-caller to read the peaks of), the CUDA-graph capture, and the attention backend's
+the largest shapes, for the caller to read the peak of, and the decode graphs' memory,
+measured on throwaway graphs), the CUDA-graph capture, and the attention backend's
 warm-up. Every batch run here is inert: nothing is written to the KV cache (every slot
 is -1)."""
 
@@ -82,17 +82,35 @@ class RunnerStartup:
         )
 
     @torch.inference_mode()
-    def profile_decode_graph(self) -> None:
-        """An eager decode step at the largest capture size, for the caller to read the
-        peak of: what the graphs' memory pool will hold."""
+    def profile_decode_graph(self) -> int:
+        """The device memory the decode graphs will take, measured before the KV cache
+        exists: throwaway graphs of the largest and the smallest capture size over a
+        one-block cache, captured into one pool as the real ones are. The estimate is
+        the largest one's memory (the pool's intermediates, which smaller graphs reuse,
+        and its executable) plus the smallest one's (mostly an executable's own: its
+        kernel parameters grow with the graph's nodes, hundreds per layer in a
+        mixture-of-experts model) for every other size."""
         r = self.runner
-        if r.capture_sizes:
-            size = r.capture_sizes[-1]
-            scratch = r.kv_cache_tensors(1)
-            self._inert_decode_batch(size)
+        sizes = r.capture_sizes
+        if not sizes or r.device.type != "cuda":
+            return 0
+        if r.graph_logits is None:
+            raise RuntimeError("profile_run() allocates the graphs' logits: run it first")
+        model, out, scratch = r.loaded_model(), r.graph_logits, r.kv_cache_tensors(1)
+
+        def forward(size: int) -> None:
             hidden = r.forward(size, size, scratch, inert=True)
             assert hidden is not None  # (no graphs under pipeline parallelism)
-            r.loaded_model().compute_logits(hidden).float()
+            out[:size].copy_(model.compute_logits(hidden))
+
+        probe = DecodeGraphs(sorted({sizes[0], sizes[-1]}))
+        probe.capture(self._inert_decode_batch, forward)
+        largest = probe.bytes_by_size[sizes[-1]]
+        smallest = probe.bytes_by_size[sizes[0]] if len(sizes) > 1 else 0
+        del probe
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return max(largest, 0) + max(smallest, 0) * (len(sizes) - 1)
 
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> DecodeGraphs | None:

@@ -6,10 +6,10 @@ it): `gpu_memory_utilization` x total memory is this engine's share (as in vLLM,
 per-instance limit: two engines on one GPU may take 0.4 each), minus what this engine
 holds once the model is loaded and the profile's persistent buffers exist (weights,
 buffers), minus the activation peak of a profiling step at the largest shapes, minus
-the estimated CUDA-graph pool (the peak of an eager decode step at the largest capture
-size; estimated before the KV cache exists because graphs bake in its addresses, and
-checked after capture). Never more than is free now (other engines and processes, and
-the CUDA context, are left what they hold).
+the CUDA graphs' memory (measured on throwaway graphs of the largest and smallest
+capture sizes over a one-block cache, before the KV cache exists because graphs bake in
+its addresses; checked after the real capture). Never more than is free now (other
+engines and processes, and the CUDA context, are left what they hold).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from asyncllm.worker.step_result import StepResult
 logger = logging.getLogger(__name__)
 
 GRAPH_POOL_SLACK = 128 << 20  # allocator rounding on top of the graph estimate
-GRAPH_EXEC_BYTES = 2 << 20  # device memory of one instantiated graph (kernel parameters)
 FREE_MARGIN = 512 << 20  # never take the last of the free memory
 
 
@@ -114,12 +113,7 @@ class Worker:
         torch.cuda.synchronize(dev)
         after = torch.cuda.memory_allocated(dev)  # + penalty state and graph logits, kept
         r.activation_peak_bytes = torch.cuda.max_memory_allocated(dev) - after
-        if self.runner.capture_sizes:
-            torch.cuda.reset_peak_memory_stats(dev)
-            self.startup.profile_decode_graph()
-            torch.cuda.synchronize(dev)
-            r.graph_estimate_bytes = torch.cuda.max_memory_allocated(dev) - after
-            r.graph_estimate_bytes += GRAPH_EXEC_BYTES * len(self.runner.capture_sizes)
+        r.graph_estimate_bytes = self.startup.profile_decode_graph()
         torch.cuda.empty_cache()
         r.seconds["memory profile"] = time.monotonic() - t0
         free, total = torch.cuda.mem_get_info(dev)

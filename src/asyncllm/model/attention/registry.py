@@ -53,10 +53,14 @@ class KVCacheLayout(enum.Enum):
     block's tokens, heads and head dims (what `AttentionBackend.kv_cache_shape` gives)."""
 
     KV_BLOCKS_TOKENS_HEADS = "(2, num_blocks, block_size, num_kv_heads, head_size)"
+    # Latent attention (MLA): one vector per token, the latent then the rotary key.
+    LATENT_BLOCKS_TOKENS = "(num_blocks, block_size, head_size)"
 
     def shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
+        if self is KVCacheLayout.LATENT_BLOCKS_TOKENS:
+            return (num_blocks, block_size, head_size)
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
 
@@ -74,9 +78,13 @@ class AttentionNeeds:
     def of_model(
         cls, hf_config: Any, device: torch.device, dtype: torch.dtype, block_size: int
     ) -> AttentionNeeds:
-        """From a Hugging Face config: its head size and the features its layers use."""
+        """From a Hugging Face config: its head size (a latent-attention model's: the
+        cached vector, latent and rotary key) and the features its layers use."""
         heads = hf_config.num_attention_heads
         head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        latent = getattr(hf_config, "kv_lora_rank", None)
+        if latent is not None:
+            head_size = int(latent) + int(hf_config.qk_rope_head_dim)
         features = set()
         if _uses_sliding_window(hf_config):
             features.add(AttentionFeature.SLIDING_WINDOW)
@@ -109,8 +117,15 @@ class AttentionBackendEntry:
     features: frozenset[AttentionFeature] = field(default_factory=frozenset)
     cudagraph_support: AttentionCGSupport = AttentionCGSupport.NEVER
 
+    @property
+    def latent_only(self) -> bool:
+        """An MLA backend serves latent-attention layers and no others."""
+        return self.kv_cache_layout is KVCacheLayout.LATENT_BLOCKS_TOKENS
+
     def unsupported(self, needs: AttentionNeeds) -> str | None:
         """Why this backend cannot serve `needs`, or None if it can."""
+        if self.latent_only and AttentionFeature.LATENT_ATTENTION not in needs.features:
+            return "serves only latent-attention (MLA) models"
         if self.device_types is not None and needs.device.type not in self.device_types:
             wanted = " or ".join(sorted(t.upper() for t in self.device_types))
             return f"needs a {wanted} device, got {needs.device}"
@@ -213,7 +228,8 @@ _ALL_FEATURES_BUT_LATENT = frozenset(
 )
 
 # The built-in backends, in the order "auto" tries them: the Triton kernels on CUDA,
-# plain torch anywhere (the reference).
+# plain torch anywhere (the reference); each with its latent-attention (MLA) twin, which
+# serves MLA models only.
 register_attention_backend(
     AttentionBackendEntry(
         name="triton",
@@ -227,11 +243,33 @@ register_attention_backend(
 )
 register_attention_backend(
     AttentionBackendEntry(
+        name="triton_mla",
+        class_path="asyncllm.model.attention.triton_mla:TritonMLABackend",
+        device_types=frozenset({"cuda"}),
+        dtypes=_FLOATS,
+        kv_cache_layout=KVCacheLayout.LATENT_BLOCKS_TOKENS,
+        features=frozenset({AttentionFeature.LATENT_ATTENTION}),
+        # (decodes run the graph-safe kernel; prefill chunks loop over sequences)
+        cudagraph_support=AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
+    )
+)
+register_attention_backend(
+    AttentionBackendEntry(
         name="torch_native",
         class_path="asyncllm.model.attention.torch_native:TorchNativeBackend",
         device_types=None,
         features=_ALL_FEATURES_BUT_LATENT,
         # (its metadata builder sizes tensors from device values: no graph capture)
+        cudagraph_support=AttentionCGSupport.NEVER,
+    )
+)
+register_attention_backend(
+    AttentionBackendEntry(
+        name="torch_mla",
+        class_path="asyncllm.model.attention.mla:MLABackend",
+        device_types=None,
+        kv_cache_layout=KVCacheLayout.LATENT_BLOCKS_TOKENS,
+        features=frozenset({AttentionFeature.LATENT_ATTENTION}),
         cudagraph_support=AttentionCGSupport.NEVER,
     )
 )

@@ -10,6 +10,10 @@ projection) and `w2` [E, H, I]; a checkpoint's per-expert tensors load into thei
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -20,12 +24,72 @@ def select_experts(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k]): the k highest softmax scores of each
-    token, renormalised to sum to 1 when asked (Qwen3-MoE's `norm_topk_prob`)."""
+    token, renormalised to sum to 1 when asked (Qwen3-MoE's `norm_topk_prob`). On CUDA
+    one Triton launch (`asyncllm_kernels.fused_moe.softmax_topk`)."""
+    if router_logits.is_cuda:
+        from asyncllm_kernels.fused_moe import softmax_topk  # (imports triton)
+
+        return softmax_topk(router_logits, top_k, renormalize)
     scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(scores, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def select_experts_grouped(
+    router_logits: torch.Tensor,
+    top_k: int,
+    num_groups: int | None,
+    topk_groups: int | None,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's routing: (weights [T, k] float32, expert ids [T, k]). The k highest
+    softmax scores ("greedy"); with `num_groups`, only among the experts of the
+    `topk_groups` groups whose best expert scores highest ("group_limited_greedy"); the
+    weights multiplied by `scaling` (`routed_scaling_factor`), not renormalised."""
+    if not num_groups and router_logits.is_cuda:
+        from asyncllm_kernels.fused_moe import softmax_topk  # (imports triton)
+
+        return softmax_topk(router_logits, top_k, False, scaling)
+    scores = torch.softmax(router_logits.float(), dim=-1)
+    if num_groups:
+        if not topk_groups:
+            raise ValueError("group-limited routing needs topk_group")
+        T, E = scores.shape
+        best = scores.view(T, num_groups, E // num_groups).amax(dim=-1)
+        chosen = torch.topk(best, topk_groups, dim=-1).indices
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, chosen, True)
+        scores = scores.masked_fill(~keep.repeat_interleave(E // num_groups, dim=1), 0.0)
+    weights, ids = torch.topk(scores, top_k, dim=-1)
+    return (weights * scaling if scaling != 1.0 else weights), ids
+
+
+_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def load_expert_weights(
+    model: Any, weights: Iterable[tuple[str, torch.Tensor]], loaded: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Loads a checkpoint's per-expert tensors (`...mlp.experts.{e}.gate_proj.weight`)
+    into the model's `FusedMoE` layers, adding the parameters to `loaded`; yields every
+    other tensor (for the model's own loader). Another pipeline stage's experts are
+    skipped (`model.holds_weight`)."""
+    modules = dict(model.named_modules())
+    for name, tensor in weights:
+        m = _EXPERT.match(name)
+        if m is None:
+            yield name, tensor
+            continue
+        if not model.holds_weight(name):
+            continue
+        block = modules.get(f"{m.group(1)}.experts")
+        if not isinstance(block, FusedMoE):
+            raise ValueError(
+                f"checkpoint has weight {name!r}, which {type(model).__name__} does not have"
+            )
+        param = block.load_expert(int(m.group(2)), m.group(3), tensor)
+        loaded.add(f"{m.group(1)}.experts.{param}")
 
 
 class FusedMoE(nn.Module):
@@ -39,13 +103,17 @@ class FusedMoE(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         renormalize: bool,
+        round_weights: bool = True,
     ) -> None:
+        """`round_weights`: the routing weights are rounded to the activations' dtype
+        before use (Qwen3-MoE's reference does; DeepSeek's keeps them float32)."""
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
         self.num_experts, self.top_k = num_experts, top_k
         self.intermediate_size = intermediate_size
         self.renormalize = renormalize
+        self.round_weights = round_weights
         self.w13_weight = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
         )
@@ -76,8 +144,16 @@ class FusedMoE(nn.Module):
         return name
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """Routes by softmax top-k (`select_experts`), then `apply`."""
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        weights = weights.to(x.dtype)  # (as the reference models round them)
+        return self.apply_experts(x, weights, ids)
+
+    def apply_experts(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts' outputs summed: weights and expert ids [T, top_k]."""
+        if self.round_weights:
+            weights = weights.to(x.dtype)
         if x.is_cuda:
             from asyncllm_kernels.fused_moe import fused_moe  # (imports triton)
 

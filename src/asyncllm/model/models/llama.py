@@ -159,7 +159,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """The decoder stack of one pipeline stage: `make_layer(i)` builds decoder layer i
     (a module taking and returning `(x, residual)`, with a `self_attn` that has
-    `num_kv_heads` and `head_dim`), `norm_cls` the final norm (fusing the residual add);
+    `num_kv_heads` and `head_dim`, and `latent_cache` True for latent attention), `norm_cls` the final norm (fusing the residual add);
     `embed_scale` multiplies the embeddings (Gemma's square root of the hidden size)."""
 
     def __init__(
@@ -192,7 +192,11 @@ class LlamaModel(nn.Module):
             self.norm = PPMissingLayer("the final norm")
         attn: Any = local[0].self_attn  # every layer has the same KV heads
         self.kv_cache_spec = KVCacheSpec(
-            len(local), int(attn.num_kv_heads), int(attn.head_dim), first_layer=stage.start_layer
+            len(local),
+            int(attn.num_kv_heads),
+            int(attn.head_dim),
+            first_layer=stage.start_layer,
+            latent=bool(getattr(attn, "latent_cache", False)),
         )
 
     def forward(
@@ -225,7 +229,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     # checkpoint name fragment -> (our parameter fragment, shard id)
-    stacked_params = (
+    stacked_params: tuple[tuple[str, str, str | int], ...] = (
         (".q_proj.", ".qkv_proj.", "q"),
         (".k_proj.", ".qkv_proj.", "k"),
         (".v_proj.", ".qkv_proj.", "v"),

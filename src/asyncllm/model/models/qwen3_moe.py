@@ -11,7 +11,6 @@ intermediate size)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,10 +20,8 @@ from torch import nn
 from asyncllm.config import num_experts
 from asyncllm.distributed.parallel_state import get_tp_group
 from asyncllm.model.attention.backend import AttentionBackend
-from asyncllm.model.layers.fused_moe import FusedMoE
+from asyncllm.model.layers.fused_moe import FusedMoE, load_expert_weights
 from asyncllm.model.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel, Qwen3ForCausalLM
-
-_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def is_sparse_layer(config: Any, layer: int) -> bool:
@@ -72,24 +69,6 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The experts' tensors into their stacked weights; the others as Llama's."""
-        modules = dict(self.named_modules())
         loaded: set[str] = set()
-
-        def others() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                m = _EXPERT.match(name)
-                if m is None:
-                    yield name, tensor
-                    continue
-                if not self.holds_weight(name):
-                    continue  # (another pipeline stage's)
-                block = modules.get(f"{m.group(1)}.experts")
-                if not isinstance(block, FusedMoE):
-                    raise ValueError(
-                        f"checkpoint has weight {name!r}, which {type(self).__name__} does not have"
-                    )
-                param = block.load_expert(int(m.group(2)), m.group(3), tensor)
-                loaded.add(f"{m.group(1)}.experts.{param}")
-
-        loaded |= super().load_weights(others())
+        loaded |= super().load_weights(load_expert_weights(self, weights, loaded))
         return loaded
