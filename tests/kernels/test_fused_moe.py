@@ -89,7 +89,7 @@ def test_no_tokens_give_an_empty_output():
     assert fused_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 16)
 
 
-@pytest.mark.parametrize("T,K,E,block_m", [(1, 6, 64, 16), (7, 2, 5, 4), (300, 8, 128, 32)])
+@pytest.mark.parametrize("T,K,E,block_m", [(1, 6, 64, 16), (7, 2, 5, 4), (120, 8, 128, 32)])
 def test_the_one_program_sort_equals_the_torch_one(T, K, E, block_m):
     g = torch.Generator().manual_seed(T)
     ids = torch.randint(0, E, (T, K), generator=g)

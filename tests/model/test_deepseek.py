@@ -74,6 +74,24 @@ def test_deepseek_v2_through_the_engine_equals_transformers(deepseek):
     assert torch.equal(model.model.layers[1].mlp.gate.weight, hf.gate.weight)
 
 
+def test_long_contexts_are_attended_in_chunks_merged_by_log_sum_exp(deepseek, monkeypatch):
+    """Past CONTEXT_CHUNK tokens a prefill chunk's keys are up-projected a chunk at a
+    time (here 40 tokens, and score blocks of a few queries): the same output."""
+    from asyncllm.model.attention import mla
+
+    arch, folder, ref = deepseek
+    if arch != "deepseek-v2-lora":
+        pytest.skip("one variant is enough")
+    monkeypatch.setattr(mla, "CONTEXT_CHUNK", 40)
+    monkeypatch.setattr(mla, "SCORE_ELEMENTS", 4 * 40 * 5)  # 5 queries at a time
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 384, (n,), generator=gen).tolist() for n in (100, 150)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with _llm(folder, num_gpu_blocks_override=64) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_greedy_parity(ref, prompts, [list(o.outputs[0].token_ids) for o in outs], arch)
+
+
 def test_group_limited_routing_keeps_the_best_groups_and_scales():
     # 4 experts in 2 groups; the first group's best (0.5) beats the second's (0.3), so
     # with one group kept the top-2 come from experts 0 and 1 only.

@@ -218,24 +218,78 @@ class MLABackend(AttentionBackend):
         w_uv: torch.Tensor,
     ) -> torch.Tensor:
         """The up-projected path for one chunk of `q_nope.shape[0]` tokens ending the
-        sequence's first `seq_len` tokens (the module docstring)."""
-        num_blocks = -(-seq_len // md.block_size)
-        blocks = md.block_table[seq, :num_blocks].long()
-        cached = kv_cache[blocks].reshape(-1, spec.cache_size)[:seq_len].to(q_nope.dtype)
-        c, k_rope = cached.split([spec.kv_lora_rank, spec.qk_rope_head_dim], dim=-1)
-        H = spec.num_heads
-        k_nope = torch.einsum("kl,hdl->hkd", c, w_uk)  # [H, seq_len, N]
-        v = torch.einsum("kl,hdl->hkd", c, w_uv)  # [H, seq_len, V]
-        k = torch.cat([k_nope, k_rope.unsqueeze(0).expand(H, -1, -1)], dim=-1)
+        sequence's first `seq_len` tokens (the module docstring). Up to CONTEXT_CHUNK
+        tokens are up-projected at once; a longer sequence is attended one key chunk
+        at a time and the chunks merged by their log-sum-exp, so the memory a step takes
+        does not grow with the context."""
         q = torch.cat([q_nope, q_pe.to(q_nope.dtype)], dim=-1).transpose(0, 1)  # [H, q, N+R]
+        if seq_len <= CONTEXT_CHUNK:
+            k, v = self._up_project(spec, kv_cache, md, seq, 0, seq_len, w_uk, w_uv)
+            return _causal_attention(q, k, v, spec).transpose(0, 1)  # [q, H, V]
         qlen = q.shape[1]
-        # (equal head sizes for q/k and v let every SDPA kernel take it)
-        pad = q.shape[-1] - spec.v_head_dim
-        v = F.pad(v, (0, pad)) if pad > 0 else v
-        q, k, v = q[None], k[None], v[None]  # (the fused SDPA kernels want 4-D inputs)
-        if qlen == seq_len:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=spec.scale)
-        else:
-            mask = causal_lower_right(qlen, seq_len)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale)
-        return out[0, ..., : spec.v_head_dim].transpose(0, 1)  # [q, H, V]
+        out = q.new_zeros(spec.num_heads, qlen, spec.v_head_dim, dtype=torch.float32)
+        lse = q.new_full((spec.num_heads, qlen), float("-inf"), dtype=torch.float32)
+        query_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
+        for start in range(0, seq_len, CONTEXT_CHUNK):
+            end = min(start + CONTEXT_CHUNK, seq_len)
+            k, v = self._up_project(spec, kv_cache, md, seq, start, end, w_uk, w_uv)
+            step = max(1, SCORE_ELEMENTS // (spec.num_heads * (end - start)))
+            for q0 in range(0, qlen, step):  # (at most SCORE_ELEMENTS scores at a time)
+                rows = slice(q0, min(q0 + step, qlen))
+                scores = torch.matmul(q[:, rows], k.transpose(1, 2)).float() * spec.scale
+                key_pos = torch.arange(start, end, device=q.device)
+                scores.masked_fill_(key_pos[None, None, :] > query_pos[rows, None], float("-inf"))
+                part_lse = torch.logsumexp(scores, dim=-1)  # [H, rows]
+                seen = torch.isfinite(part_lse)  # (a query before this chunk sees none of it)
+                probs = torch.exp(scores - torch.where(seen, part_lse, 0.0)[..., None])
+                part = torch.matmul(probs.to(v.dtype), v).float()
+                new_lse = torch.logaddexp(lse[:, rows], part_lse)
+                keep = torch.exp(lse[:, rows] - new_lse).nan_to_num(0.0)
+                add = torch.exp(part_lse - new_lse).nan_to_num(0.0)
+                out[:, rows] = out[:, rows] * keep[..., None] + part * add[..., None]
+                lse[:, rows] = new_lse
+        return out.to(q.dtype).transpose(0, 1)
+
+    def _up_project(
+        self,
+        spec: MLALayerSpec,
+        kv_cache: torch.Tensor,
+        md: MLAMetadata,
+        seq: int,
+        start: int,
+        end: int,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [H, n, N+R] and values [H, n, V] of the sequence's tokens [start, end)
+        from the latent cache."""
+        bs = md.block_size
+        blocks = md.block_table[seq, start // bs : -(-end // bs)].long()
+        first = start - (start // bs) * bs
+        cached = kv_cache[blocks].reshape(-1, spec.cache_size)[first : first + end - start]
+        c, k_rope = cached.to(w_uk.dtype).split([spec.kv_lora_rank, spec.qk_rope_head_dim], -1)
+        k_nope = torch.einsum("kl,hdl->hkd", c, w_uk)  # [H, n, N]
+        v = torch.einsum("kl,hdl->hkd", c, w_uv)  # [H, n, V]
+        k = torch.cat([k_nope, k_rope.unsqueeze(0).expand(spec.num_heads, -1, -1)], dim=-1)
+        return k, v
+
+
+CONTEXT_CHUNK = 8192  # tokens up-projected at once in a prefill chunk's attention
+SCORE_ELEMENTS = 1 << 25  # float32 scores held at once past CONTEXT_CHUNK (128 MiB)
+
+
+def _causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MLALayerSpec
+) -> torch.Tensor:
+    """[H, q, V]: the q queries are the last of the keys' sequence, causal."""
+    qlen, seq_len = q.shape[1], k.shape[1]
+    # (equal head sizes for q/k and v let every SDPA kernel take it)
+    pad = q.shape[-1] - spec.v_head_dim
+    v = F.pad(v, (0, pad)) if pad > 0 else v
+    q4, k4, v4 = q[None], k[None], v[None]  # (the fused SDPA kernels want 4-D inputs)
+    if qlen == seq_len:
+        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=spec.scale)
+    else:
+        mask = causal_lower_right(qlen, seq_len)
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=spec.scale)
+    return out[0, ..., : spec.v_head_dim]
