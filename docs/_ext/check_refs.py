@@ -5,7 +5,8 @@ through tests/docs/test_refs.py):
   resolves (its module imports, its attributes exist);
 - every backticked repository path (a name with a slash and a file extension, or ending
   in a slash) names a file or folder of the repository, from its root or as the tail of
-  a tracked path (`model/kv_groups.py`);
+  a tracked path (`model/kv_groups.py`), unless git ignores it (what a build or a
+  download creates: `site/`, `.whl_a/`);
 - docs/glossary.md is what its term list gives now: every symbol exists and its source
   line range is current, and no "not yet" symbol exists yet.
 
@@ -66,6 +67,12 @@ def path_exists(text: str, files: list[str]) -> bool:
     return any(f == target or f.endswith("/" + target) for f in files)
 
 
+def git_ignores(path: str) -> bool:
+    """Whether git ignores the path (what a build or a download creates)."""
+    out = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT)
+    return out.returncode == 0
+
+
 def check_page(page: Path, files: list[str]) -> list[str]:
     problems = []
     where = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
@@ -78,7 +85,8 @@ def check_page(page: Path, files: list[str]) -> list[str]:
                 problems.append(f"{where}:{number}: `{text}` does not resolve ({e})")
             continue
         if PATH.match(text) and "/" in text and not path_exists(text, files):
-            problems.append(f"{where}:{number}: `{text}` is no file of the repository")
+            if not git_ignores(text):  # (a generated path: site/, .venv/, downloads)
+                problems.append(f"{where}:{number}: `{text}` is no file of the repository")
     return problems
 
 
