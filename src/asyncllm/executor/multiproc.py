@@ -60,6 +60,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -510,16 +511,24 @@ class MultiprocExecutor(Executor):
         self._raise_if_failed()
         assert self._steps is not None
         timeout = envs.execute_model_timeout_s()
-        try:
+        with self._queue_op("the workers took no message", timeout):
             self._steps.enqueue_frames(frames, timeout=timeout)
+
+    @contextlib.contextmanager
+    def _queue_op(self, what: str, timeout: float) -> Iterator[None]:
+        """A step or result queue operation: a closed queue raises the executor's
+        failure (or the closure itself); a timeout stops the workers and raises a
+        StepTimeoutError saying `what` did not happen in time."""
+        try:
+            yield
         except QueueClosed:
             self._raise_if_failed()
             raise
         except TimeoutError:
             self._fail(
                 StepTimeoutError(
-                    f"the workers took no message for ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S="
-                    f"{timeout:g} s: a worker is stuck (in a collective, or a model step)"
+                    f"{what} within ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S={timeout:g} s: a worker "
+                    "is stuck (in a collective, or a model step); the workers were stopped"
                 )
             )
             self._raise_if_failed()
@@ -564,20 +573,8 @@ class MultiprocExecutor(Executor):
         timeout = envs.execute_model_timeout_s()
         deadline = time.monotonic() + timeout
         while True:
-            try:
+            with self._queue_op(f"no result for model step {seq}", timeout):
                 frames = self._results.dequeue_frames(timeout=max(0.0, deadline - time.monotonic()))
-            except QueueClosed:
-                self._raise_if_failed()
-                raise
-            except TimeoutError:
-                self._fail(
-                    StepTimeoutError(
-                        f"no result for model step {seq} within ASYNCLLM_EXECUTE_MODEL_TIMEOUT_S="
-                        f"{timeout:g} s: a worker is stuck (in a collective, or the step "
-                        "itself); the workers were stopped"
-                    )
-                )
-                self._raise_if_failed()
             _, output = self._decoder.decode(frames)
             got = self._next_result
             self._next_result += 1
