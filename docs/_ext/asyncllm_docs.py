@@ -13,13 +13,11 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import csv
 import dataclasses
 import importlib
 import inspect
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -115,37 +113,12 @@ def glossary_markdown(terms: list[Term] | None = None) -> str:
 # -- the configuration reference ----------------------------------------------------------
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each annotated field of a class body."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, after in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[node.target.id] = inspect.cleandoc(after.value.value)
-    return docs
-
-
-def field_types(cls: type) -> dict[str, str]:
-    """Each annotated field's type as written in the source."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    return {
-        n.target.id: ast.unparse(n.annotation)
-        for n in body
-        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
-    }
-
-
 def dataclass_rows(cls: type) -> list[tuple[str, str, str, str]]:
-    """(name, type, default, meaning) of each field of a dataclass, in order."""
-    docs, types = field_docs(cls), field_types(cls)
+    """(name, type, default, meaning) of each field of a dataclass, in order: the type as
+    written (the modules postpone annotations) and the docstring the CLI's flags show."""
+    from asyncllm.cli.args import field_docs
+
+    docs = field_docs(cls)
     rows = []
     for f in dataclasses.fields(cls):
         if f.default is not dataclasses.MISSING:
@@ -154,7 +127,7 @@ def dataclass_rows(cls: type) -> list[tuple[str, str, str, str]]:
             default = repr(f.default_factory())
         else:
             default = "(required)"
-        rows.append((f.name, types.get(f.name, str(f.type)), default, docs.get(f.name, "")))
+        rows.append((f.name, str(f.type), default, docs.get(f.name, "")))
     return rows
 
 

@@ -66,11 +66,12 @@ def test_every_term_has_a_row_with_its_japanese_name():
 
 def test_the_configuration_reference_has_every_field_and_flag():
     from asyncllm import EngineArgs, SamplingParams
+    from asyncllm.cli.args import field_docs
     from asyncllm.cli.main import build_parser
 
     text = asyncllm_docs.configuration_markdown()
     for cls in (EngineArgs, SamplingParams):
-        docs = asyncllm_docs.field_docs(cls)
+        docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else None
             assert f"| `{f.name}` |" in text, f"{cls.__name__}.{f.name} missing"

@@ -39,10 +39,10 @@ from asyncllm.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from asyncllm.model.layers.norm import RMSNorm
 from asyncllm.model.layers.rotary import RotaryEmbedding, get_rope, rope_parameters, yarn_mscale
 from asyncllm.model.models.llama import (
+    LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
     LlamaModel,
-    input_norm,
 )
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -164,24 +164,6 @@ class DeepseekV2MoE(nn.Module):
         return out
 
 
-class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(
-        self, config: Any, layer: int, backend: AttentionBackend, rotary_emb: RotaryEmbedding
-    ):
-        super().__init__()
-        self.self_attn = DeepseekV2MLAAttention(config, backend, rotary_emb)
-        dense = layer < int(getattr(config, "first_k_dense_replace", 0) or 0)
-        self.mlp: nn.Module = LlamaMLP(config) if dense else DeepseekV2MoE(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, positions, x, residual, kv_cache, attn_metadata):
-        x, residual = input_norm(self.input_layernorm, x, residual)
-        x = self.self_attn(positions, x, kv_cache, attn_metadata)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-
-
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     # (no fused q/k/v: only the dense and shared MLPs' gate and up are merged)
     stacked_params = (
@@ -197,12 +179,14 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             rope_parameters(config),
             is_neox_style=False,
         )
-        return LlamaModel(
-            config,
-            self.stage,
-            self.tie_word_embeddings,
-            lambda i: DeepseekV2DecoderLayer(config, i, backend, rotary),
-        )
+        first_sparse = int(getattr(config, "first_k_dense_replace", 0) or 0)
+
+        def make_layer(i: int) -> nn.Module:
+            mlp = LlamaMLP(config) if i < first_sparse else DeepseekV2MoE(config)
+            attn = DeepseekV2MLAAttention(config, backend, rotary)
+            return LlamaDecoderLayer(config, i, backend, False, False, mlp=mlp, self_attn=attn)
+
+        return LlamaModel(config, self.stage, self.tie_word_embeddings, make_layer)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The routed experts' tensors into their stacked weights; the others (the

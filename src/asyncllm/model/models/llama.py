@@ -141,10 +141,16 @@ class LlamaDecoderLayer(nn.Module):
         qkv_bias: bool,
         qk_norm: bool,
         mlp: nn.Module | None = None,
+        self_attn: nn.Module | None = None,
     ):
-        """`mlp`: the layer's MLP (default: Llama's, of the config's intermediate size)."""
+        """`mlp`: the layer's MLP (default: Llama's, of the config's intermediate size);
+        `self_attn`: its attention (default: Llama's; DeepSeek's latent attention)."""
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer, backend, qkv_bias, qk_norm)
+        self.self_attn = (
+            self_attn
+            if self_attn is not None
+            else LlamaAttention(config, layer, backend, qkv_bias, qk_norm)
+        )
         self.mlp = mlp if mlp is not None else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
