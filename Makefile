@@ -11,6 +11,8 @@ STAMP := $(VENV)/.asyncllm-installed
 HAS_NVIDIA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_PIN := $(if $(HAS_NVIDIA),torch,torch==2.13.0)
 PYTEST_ARGS ?=
+# The CPU suite runs in this many parallel workers (pytest-xdist): one per CPU, at most 4.
+PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
@@ -32,7 +34,7 @@ demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # On a GPU machine with no package index: its own python3 and torch, our sources
 # on PYTHONPATH, and the wheels of requirements-gpu-offline.txt brought along.

@@ -8,7 +8,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("OMP_NUM_THREADS", str(min(4, os.cpu_count() or 1)))
+# `make test` runs the suite in parallel workers (pytest-xdist, one per CPU, at most 4):
+# each worker's torch takes its share of the CPUs.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+os.environ.setdefault("OMP_NUM_THREADS", str(max(1, min(4, (os.cpu_count() or 1) // _WORKERS))))
 # Converted models are shared by all runs of the suite on this checkout.
 os.environ.setdefault("ASYNCLLM_CACHE", str(ROOT / ".cache" / "asyncllm-test"))
 # Dozens of engines start in one test process: a full collection at each start would
@@ -68,6 +71,13 @@ def no_child_outlives_the_suite():
 
 
 def pytest_collection_modifyitems(config, items):
+    # Parallel workers (`--dist loadgroup`) take whole modules, so module fixtures are
+    # built once; the distributed tests, whose processes and shared-memory queues other
+    # tests' checks would see, run one after another in one worker.
+    for item in items:
+        path = Path(str(item.fspath)).resolve().relative_to(ROOT)
+        group = "distributed" if path.parts[:2] == ("tests", "distributed") else str(path)
+        item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

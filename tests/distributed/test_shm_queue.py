@@ -135,11 +135,14 @@ def _shm_left(handle: QueueHandle) -> list[str]:
 
 
 def _ours() -> set[str]:
-    """The queue's names in /dev/shm and its ipc sockets in the temporary folder."""
+    """The names in /dev/shm and the ipc sockets in the temporary folder of the queues
+    this process created (a queue's name holds its creator's pid; other processes'
+    queues, those of tests running beside this one, are not this test's)."""
     names = set()
+    prefix = f"asyncllm_shmq_{os.getpid()}_"
     for folder in ("/dev/shm", tempfile.gettempdir()):
         if os.path.isdir(folder):
-            names |= {f"{folder}/{n}" for n in os.listdir(folder) if n.startswith("asyncllm_shmq")}
+            names |= {f"{folder}/{n}" for n in os.listdir(folder) if n.startswith(prefix)}
     return names
 
 

@@ -221,26 +221,29 @@ def test_greedy_equal_with_async_scheduling_on_and_off():
 
 
 def test_preemption_with_a_tiny_kv_cache():
+    """Three constrained requests, each needing most of a 4-block cache: they preempt
+    one another (their grammars roll back with them) and each still ends valid."""
     llm = LLM(
         device="cpu",
         multiprocess=False,
-        max_model_len=96,
-        num_gpu_blocks_override=6,
+        max_model_len=64,
+        num_gpu_blocks_override=4,
         block_size=16,
         enable_prefix_caching=False,
     )
-    three = {
+    word = {"type": "string", "maxLength": 4}
+    two = {
         "type": "object",
-        "properties": {"a": NAME, "b": NAME, "c": NAME},
-        "required": ["a", "b", "c"],
+        "properties": {"a": word, "b": word},
+        "required": ["a", "b"],
         "additionalProperties": False,
     }
     try:
-        prompts = [f"{PROMPT} Request number {i} of three, give three words." for i in range(3)]
-        params = [_json_params(three, temperature=0.0, max_tokens=64)] * 3
+        prompts = [f"{PROMPT} Request number {i} of three, give two words." for i in range(3)]
+        params = [_json_params(two, temperature=0.0, max_tokens=32)] * 3
         outs = llm.generate(prompts, params, use_tqdm=False)
         for o in outs:
-            _check_json(o.outputs[0].text, three)
+            _check_json(o.outputs[0].text, two)
         assert llm.engine.get_stats()["num_preemptions"] > 0
         _idle(llm)
     finally:

@@ -29,6 +29,10 @@ LONG = [
 ]  # fmt: skip
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
     """The pids still running once all have ended or `timeout` passed."""
     deadline = time.monotonic() + timeout
@@ -88,6 +92,9 @@ def test_generate_ctrl_c_exits_130_quietly():
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,  # (its own process group, as a terminal's job has)
+        # A terminal's job takes SIGINT; a suite run in the background (`make test &`)
+        # ignores it, and its children would inherit that.
+        preexec_fn=_default_sigint,
     )
     try:
         assert proc.stdout is not None

@@ -284,7 +284,8 @@ class ShmQueue:
         try:
             if n_local_readers:
                 flag_words, stride = _chunk_stride(n_local_readers, chunk_bytes)
-                shm_name = f"asyncllm_shmq_{uuid.uuid4().hex[:16]}"
+                # (the creator's pid in the name: a leftover segment names its process)
+                shm_name = f"asyncllm_shmq_{os.getpid()}_{uuid.uuid4().hex[:12]}"
                 self._shm = _untracked_shm(shm_name, True, _HEADER_BYTES + n_chunks * stride)
                 self._map(n_chunks, n_local_readers, chunk_bytes)
                 words = self._words
