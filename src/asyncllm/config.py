@@ -236,9 +236,10 @@ class EngineArgs:
     max_waiting_requests: int | None = None
     """Beyond this many waiting requests, new ones are refused (EngineOverloadedError)."""
     attention_backend: str | None = None
-    """A registered attention backend (triton on CUDA, torch_native anywhere; triton_mla
-    and torch_mla for latent-attention models; or one registered in registry.py); 'auto'
-    or None: the first that supports the device, dtype, head size and model's features."""
+    """A registered attention backend (triton on CUDA, flashinfer on CUDA with the
+    flashinfer extra installed, torch_native anywhere; triton_mla and torch_mla for
+    latent-attention models; or one registered in registry.py); 'auto' or None: the
+    first that supports the device, dtype, head size and model's features."""
     async_scheduling: bool = True
     """The host schedules and prepares step N+1 while the device runs step N (the
     sampled ids go from one step to the next on the device); off: one step at a time."""

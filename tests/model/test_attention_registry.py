@@ -3,6 +3,7 @@ runs the one named, or the first that fits ("auto"), and refuses one that cannot
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import subprocess
 import sys
@@ -73,9 +74,23 @@ def tiny_folder(tmp_path_factory):
     return folder
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is not None, reason="flashinfer is installed"
+)
+def test_a_named_backend_whose_library_is_missing_fails_saying_how_to_install_it():
+    needs = AttentionNeeds(torch.device("cuda"), torch.bfloat16, 128, 16)
+    with pytest.raises(
+        ValueError,
+        match=r"attention_backend 'flashinfer' needs flashinfer, "
+        r"which is not installed \(pip install 'asyncllm\[flashinfer\]'\)",
+    ):
+        find_attention_backend("flashinfer", needs)
+    assert find_attention_backend("auto", needs).name == "triton"
+
+
 def test_the_built_in_backends_come_first_and_triton_stays_unimported():
     names = attention_backend_names()
-    assert names[:4] == ["triton", "triton_mla", "torch_native", "torch_mla"]
+    assert names[:5] == ["triton", "triton_mla", "flashinfer", "torch_native", "torch_mla"]
     triton = find_attention_backend("triton", AttentionNeeds(torch.device("cuda")))
     assert triton.cudagraph_support is AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     assert triton.kv_cache_layout is KVCacheLayout.KV_BLOCKS_TOKENS_HEADS

@@ -41,14 +41,15 @@ QWEN3_06B = dict(
 )
 
 
-def _compare(model, vocab: int, tol: float) -> None:
+def _compare(model, vocab: int, tol: float, backend=None) -> None:
+    """`backend` (default: Triton's) against TorchNativeBackend on the same steps."""
     from asyncllm.model.attention.triton_attn import TritonAttentionBackend
 
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (700, 45, 1, 300)]
     with torch.no_grad():
         want = run_steps_with_backend(model, TorchNativeBackend(), prompts, 8)
-        got = run_steps_with_backend(model, TritonAttentionBackend(), prompts, 8)
+        got = run_steps_with_backend(model, backend or TritonAttentionBackend(), prompts, 8)
     assert not got.isnan().any()
     rel = ((got - want).norm() / want.norm()).item()
     assert rel <= tol, f"relative logits difference {rel:.2e} > {tol:.0e}"
@@ -71,6 +72,19 @@ def _qwen3_shaped(tmp_path, dtype: str):
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 2e-2)])
 def test_qwen3_shaped_model(tmp_path, dtype, tol):
     _compare(_qwen3_shaped(tmp_path, dtype), QWEN3_06B["vocab_size"], tol)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is None, reason="flashinfer is not installed"
+)
+def test_flashinfer_on_the_qwen3_shape_bfloat16(tmp_path):
+    """FlashInfer's wrappers (prefill chunks after cached context, a mixed step, decodes;
+    head size 128, two query heads per KV head) on the same steps."""
+    from asyncllm.model.attention.flashinfer import FlashInferBackend
+
+    _compare(
+        _qwen3_shaped(tmp_path, "bfloat16"), QWEN3_06B["vocab_size"], 2e-2, FlashInferBackend()
+    )
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")

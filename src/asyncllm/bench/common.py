@@ -56,8 +56,8 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         "--attention-backend",
         "attention_backend",
         str,
-        "auto, triton (CUDA), torch_native, triton_mla / torch_mla (latent attention), or a "
-        "registered name",
+        "auto, triton (CUDA), flashinfer (CUDA, the flashinfer extra), torch_native, "
+        "triton_mla / torch_mla (latent attention), or a registered name",
     ),
     ("--tensor-parallel-size", "tensor_parallel_size", int, "ranks a layer is split over"),
     (

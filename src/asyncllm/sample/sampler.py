@@ -8,7 +8,9 @@ processors, top-k, top-p and a draw (greedy-only batches never call the invarian
 Random draws use the exponential-race trick (argmax of p / E with E ~ Exp(1)), taken in
 log space, argmax(logits / T - log E), so no softmax is computed; one row of noise per
 request: seeded requests draw theirs from their own generator, so their tokens do not
-depend on what else is in the batch. A step with no greedy row computes no argmax of
+depend on what else is in the batch. On CUDA with FlashInfer installed, a step with
+top-k or top-p draws its unseeded rows with FlashInfer's sorting-free kernel instead
+(`ASYNCLLM_FLASHINFER_SAMPLING=0` turns that off). A step with no greedy row computes no argmax of
 the raw logits.
 """
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from asyncllm.envs import flashinfer_sampling_enabled
 from asyncllm.sample import ops
 from asyncllm.sample.logits_processor import LogitsProcessor
 
@@ -69,6 +72,7 @@ class Sampler:
         processors = processors or []
         self.argmax_changing = [p for p in processors if not p.is_argmax_invariant()]
         self.argmax_invariant = [p for p in processors if p.is_argmax_invariant()]
+        self._flashinfer: bool | None = None  # (decided at the first top-k / top-p draw)
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
@@ -121,6 +125,44 @@ class Sampler:
             logits = ops.apply_min_p(logits, md.min_p)
         for proc in self.argmax_invariant:
             logits = proc.apply(logits, md.rows)
+        if (md.top_k is not None or md.top_p is not None) and self.use_flashinfer(logits):
+            return self.sample_top_k_top_p_flashinfer(logits, md)
+        return self.sample_top_k_top_p_torch(logits, md)
+
+    def use_flashinfer(self, logits: torch.Tensor) -> bool:
+        if self._flashinfer is None:
+            self._flashinfer = flashinfer_sampling_enabled()
+        return self._flashinfer and logits.device.type == "cuda"
+
+    def sample_top_k_top_p_flashinfer(
+        self, logits: torch.Tensor, md: SamplingMetadata
+    ) -> torch.Tensor:
+        """FlashInfer's top-k-then-top-p draw (rejection sampling over the probabilities,
+        no sort). It draws every row from one random stream, so rows seeded with their
+        own generator are drawn again on the torch path (their tokens must not depend on
+        the batch)."""
+        from flashinfer.sampling import top_k_top_p_sampling_from_logits
+
+        vocab = logits.shape[-1]
+        top_k = (
+            md.top_k if md.top_k is not None else torch.zeros_like(logits[:, 0], dtype=torch.long)
+        )
+        top_k = torch.where(top_k <= 0, vocab, top_k.clamp(max=vocab)).to(torch.int32)
+        top_p = md.top_p if md.top_p is not None else torch.ones_like(logits[:, 0])
+        drawn = top_k_top_p_sampling_from_logits(logits, top_k, top_p.float()).long()
+        if md.generators:
+            seeded = torch.tensor(sorted(md.generators), device=logits.device)
+            sub = SamplingMetadata(
+                temperature=None, is_greedy=None, all_greedy=False,
+                top_k=md.top_k.index_select(0, seeded) if md.top_k is not None else None,
+                top_p=md.top_p.index_select(0, seeded) if md.top_p is not None else None,
+                generators={j: md.generators[i] for j, i in enumerate(sorted(md.generators))},
+            )  # fmt: skip
+            again = self.sample_top_k_top_p_torch(logits.index_select(0, seeded), sub)
+            drawn.index_copy_(0, seeded, again)
+        return drawn
+
+    def sample_top_k_top_p_torch(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.top_k is not None:
             logits = ops.apply_top_k(logits, md.top_k)
         if md.top_p is not None:

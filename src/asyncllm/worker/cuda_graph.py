@@ -34,21 +34,23 @@ class DecodeGraphs:
         self.bytes_by_size: dict[int, int] = {}
         self.replays = 0
 
-    def capture(self, prepare: Callable[[int], None], forward: Callable[[int], None]) -> None:
-        """`prepare(size)` fills the static inputs with an inert batch of `size`;
-        `forward(size)` runs the model on them and writes the logits buffer."""
+    def capture(self, prepare: Callable[[int], Any], forward: Callable[[int, Any], None]) -> None:
+        """`prepare(size)` fills the static inputs with an inert batch of `size` and
+        returns its attention metadata (built outside the graph: a backend may plan on
+        the host); `forward(size, metadata)` runs the model on them and writes the
+        logits buffer."""
         t0 = time.monotonic()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         free_before, _ = torch.cuda.mem_get_info()
         free = free_before
         for size in reversed(self.sizes):
-            prepare(size)
-            forward(size)  # warm-up: compiles kernels, sizes workspaces, outside the graph
+            metadata = prepare(size)
+            forward(size, metadata)  # warm-up: compiles kernels, sizes workspaces
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                forward(size)
+                forward(size, metadata)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[size] = graph

@@ -443,10 +443,11 @@ class ModelRunner:
             buf.input_ids.device.index_copy_(0, buf.pending_at.device[:k], sampled)
         return inputs
 
-    def attention_metadata(self, T: int, S: int) -> list[Any]:
+    def attention_metadata(self, T: int, S: int, for_cuda_graph: bool = False) -> list[Any]:
         """The backend's attention metadata of each layer of this stage (one per KV
         cache group, shared by its layers) over the first T tokens and S sequences of
-        the step buffers (already on the device)."""
+        the step buffers (already on the device); `for_cuda_graph`: a decode graph's
+        batch (captured or about to be replayed)."""
         buf = self.buffers
         qsl = buf.query_start_loc.np[: S + 1]
         seq_lens = buf.seq_lens.np[:S]
@@ -463,18 +464,28 @@ class ModelRunner:
                 num_actual_tokens=int(qsl[-1]),
                 max_query_len=int(np.diff(qsl).max()) if S else 0,
                 max_seq_len=int(seq_lens.max()) if S else 0,
+                block_table_cpu=buf.block_table.np[g, :S],
+                kv_group=g,
+                for_cuda_graph=for_cuda_graph,
             )
             per_group[g] = self.backend.build_metadata(common, self.block_size)
         return [per_group[g] for g in layer_groups]
 
     def forward(
-        self, T: int, S: int, kv_caches: list[torch.Tensor], inert: bool = False
+        self,
+        T: int,
+        S: int,
+        kv_caches: list[torch.Tensor],
+        inert: bool = False,
+        attn_metadata: list[Any] | None = None,
     ) -> torch.Tensor | None:
         """The model over the first T tokens and S sequences of the step buffers: its
         hidden states on the last pipeline stage, None on the others, which send theirs
         to the next stage (a stage after the first receives the previous one's first).
         An `inert` batch (start-up: profiling, capture, warm-up) passes nothing between
-        stages: a stage after the first runs on uninitialised inputs of the same shape."""
+        stages: a stage after the first runs on uninitialised inputs of the same shape.
+        `attn_metadata`: built beforehand (a graph capture builds it outside the graph);
+        by default built here."""
         model = self.loaded_model()
         received: IntermediateTensors | None = None
         if not self.first_stage:
@@ -492,7 +503,7 @@ class ModelRunner:
             self.buffers.input_ids.device[:T],
             self.buffers.positions.device[:T],
             kv_caches,
-            self.attention_metadata(T, S),
+            attn_metadata if attn_metadata is not None else self.attention_metadata(T, S),
             received,
         )
         if self.last_stage:
@@ -512,6 +523,8 @@ class ModelRunner:
         model = self.loaded_model()
         if size is not None and self.graphs is not None and not prompt_rows:
             assert self.graph_logits is not None
+            if self.backend.plans_on_host:
+                self.attention_metadata(size, size, for_cuda_graph=True)
             self.graphs.replay(size)
             return None, self.graph_logits[:S]
         T = size or inputs.num_tokens  # padded on the CPU too, to test the padding

@@ -6,6 +6,8 @@ is -1)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -98,13 +100,13 @@ class RunnerStartup:
             raise RuntimeError("profile_run() allocates the graphs' logits: run it first")
         model, out, scratch = r.loaded_model(), r.graph_logits, r.kv_cache_tensors(1)
 
-        def forward(size: int) -> None:
-            hidden = r.forward(size, size, scratch, inert=True)
+        def forward(size: int, metadata: list[Any]) -> None:
+            hidden = r.forward(size, size, scratch, inert=True, attn_metadata=metadata)
             assert hidden is not None  # (no graphs under pipeline parallelism)
             out[:size].copy_(model.compute_logits(hidden))
 
         probe = DecodeGraphs(sorted({sizes[0], sizes[-1]}))
-        probe.capture(self._inert_decode_batch, forward)
+        probe.capture(self._inert_decode_graph_batch, forward)
         largest = probe.bytes_by_size[sizes[-1]]
         smallest = probe.bytes_by_size[sizes[0]] if len(sizes) > 1 else 0
         del probe
@@ -123,13 +125,13 @@ class RunnerStartup:
             raise RuntimeError("profile_run() allocates the graphs' logits: run it first")
         model, out = r.loaded_model(), r.graph_logits
 
-        def forward(size: int) -> None:
-            hidden = r.forward(size, size, r.kv_caches, inert=True)
+        def forward(size: int, metadata: list[Any]) -> None:
+            hidden = r.forward(size, size, r.kv_caches, inert=True, attn_metadata=metadata)
             assert hidden is not None  # (no graphs under pipeline parallelism)
             out[:size].copy_(model.compute_logits(hidden))
 
         r.graphs = DecodeGraphs(r.capture_sizes)
-        r.graphs.capture(self._inert_decode_batch, forward)
+        r.graphs.capture(self._inert_decode_graph_batch, forward)
         return r.graphs
 
     # -- the attention backend's warm-up ----------------------------------------------
@@ -169,9 +171,11 @@ class RunnerStartup:
         T = self._inert_batch(lens)
         r.forward(T, num_seqs, r.kv_caches, inert=True)
 
-    def _inert_decode_batch(self, size: int) -> None:
-        """A decode batch of `size` one-token sequences that writes nothing."""
+    def _inert_decode_graph_batch(self, size: int) -> list[Any]:
+        """A decode graph's batch of `size` one-token sequences that writes nothing, and
+        its attention metadata."""
         self._inert_batch(np.ones(size, dtype=np.int64))
+        return self.runner.attention_metadata(size, size, for_cuda_graph=True)
 
     def _inert_batch(self, lens: np.ndarray) -> int:
         """Sequences of `lens` tokens (no context) in the step buffers that write nothing

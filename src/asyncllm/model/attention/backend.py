@@ -45,6 +45,12 @@ class CommonAttentionMetadata:
     num_actual_tokens: int
     max_query_len: int
     max_seq_len: int
+    # The block table on the host (a backend that plans on the host reads it), this
+    # batch's KV cache group, and whether the batch is a decode graph's (captured or
+    # replayed: padded to the graph's size, its tensors at fixed addresses).
+    block_table_cpu: np.ndarray | None = None
+    kv_group: int = 0
+    for_cuda_graph: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -76,6 +82,7 @@ class CommonAttentionMetadata:
             num_actual_tokens=int(query_start_loc[-1]),
             max_query_len=int(query_lens.max()) if len(query_lens) else 0,
             max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0,
+            block_table_cpu=block_table,
         )
 
     @classmethod
@@ -138,6 +145,9 @@ class AttentionBackend(ABC):
     graphs) is declared by its entry in `registry.py`, which names this class."""
 
     name: str = "abstract"
+    # Whether its metadata is planned on the host into buffers a decode graph reads
+    # (FlashInfer's plan): the runner then builds the metadata before every replay.
+    plans_on_host: bool = False
 
     @staticmethod
     def kv_cache_shape(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import importlib.util
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,11 @@ class AttentionBackendEntry:
     kv_cache_layout: KVCacheLayout = KVCacheLayout.KV_BLOCKS_TOKENS_HEADS
     features: frozenset[AttentionFeature] = field(default_factory=frozenset)
     cudagraph_support: AttentionCGSupport = AttentionCGSupport.NEVER
+    # An optional library it runs on: (module to import, the package extra that installs it).
+    requires: tuple[str, str] | None = None
+
+    def installed(self) -> bool:
+        return self.requires is None or importlib.util.find_spec(self.requires[0]) is not None
 
     @property
     def latent_only(self) -> bool:
@@ -126,6 +132,12 @@ class AttentionBackendEntry:
         """Why this backend cannot serve `needs`, or None if it can."""
         if self.latent_only and AttentionFeature.LATENT_ATTENTION not in needs.features:
             return "serves only latent-attention (MLA) models"
+        if not self.installed():
+            assert self.requires is not None
+            return (
+                f"needs {self.requires[0]}, which is not installed "
+                f"(pip install 'asyncllm[{self.requires[1]}]')"
+            )
         if self.device_types is not None and needs.device.type not in self.device_types:
             wanted = " or ".join(sorted(t.upper() for t in self.device_types))
             return f"needs a {wanted} device, got {needs.device}"
@@ -251,6 +263,19 @@ register_attention_backend(
         features=frozenset({AttentionFeature.LATENT_ATTENTION}),
         # (decodes run the graph-safe kernel; prefill chunks loop over sequences)
         cudagraph_support=AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
+    )
+)
+register_attention_backend(
+    AttentionBackendEntry(
+        name="flashinfer",
+        class_path="asyncllm.model.attention.flashinfer:FlashInferBackend",
+        device_types=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        head_sizes=frozenset({64, 128, 256}),
+        features=_ALL_FEATURES_BUT_LATENT,
+        # (decode graphs have wrappers over fixed buffers, planned before each replay)
+        cudagraph_support=AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
+        requires=("flashinfer", "flashinfer"),
     )
 )
 register_attention_backend(
