@@ -84,11 +84,13 @@ def test_the_configuration_reference_has_every_field_and_flag():
                 assert f"`{', '.join(action.option_strings)}`" in text, action.option_strings
 
 
-QUICKSTART = blocks.plan(blocks.ROOT / "docs" / "quickstart.md")
+# The pages whose blocks run here (README.md's run in test_readme.py).
+PAGES = ("quickstart.md", "guide.md", "distributed.md")
+CASES = [case for page in PAGES for case in blocks.plan(blocks.ROOT / "docs" / page)]
 
 
-@pytest.mark.parametrize("case", QUICKSTART, ids=[c.id for c in QUICKSTART])
-def test_quickstart_block(case: blocks.Case):
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.blocks[0].page.name}:{c.id}" for c in CASES])
+def test_docs_block(case: blocks.Case):
     outcome = blocks.run_case(case)
     if outcome.skipped:
         pytest.skip(outcome.skipped)
