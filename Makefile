@@ -34,7 +34,7 @@ demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
 test: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # On a GPU machine with no package index: its own python3 and torch, our sources
 # on PYTHONPATH, and the wheels of requirements-gpu-offline.txt brought along.

@@ -70,14 +70,21 @@ def no_child_outlives_the_suite():
     assert not left, f"child processes outlived the suite: {left}"
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """Parallel workers (`make test`) take whole modules, so module fixtures are built
+    once; the distributed tests, whose processes and shared-memory queues other tests'
+    checks would see, run one after another in one worker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/distributed" if path.startswith("tests/distributed/") else path
+
+    return ModuleScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    # Parallel workers (`--dist loadgroup`) take whole modules, so module fixtures are
-    # built once; the distributed tests, whose processes and shared-memory queues other
-    # tests' checks would see, run one after another in one worker.
-    for item in items:
-        path = Path(str(item.fspath)).resolve().relative_to(ROOT)
-        group = "distributed" if path.parts[:2] == ("tests", "distributed") else str(path)
-        item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
