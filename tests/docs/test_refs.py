@@ -84,8 +84,9 @@ def test_the_configuration_reference_has_every_field_and_flag():
                 assert f"`{', '.join(action.option_strings)}`" in text, action.option_strings
 
 
-# The pages whose blocks run here (README.md's run in test_readme.py).
-PAGES = ("quickstart.md", "guide.md", "distributed.md")
+# The docs pages with code blocks; their blocks run here (README.md's in test_readme.py).
+PAGES = ("quickstart.md", "guide.md", "distributed.md", "server.md", "cli.md", "development.md",
+         "architecture.md")  # fmt: skip
 CASES = [case for page in PAGES for case in blocks.plan(blocks.ROOT / "docs" / page)]
 
 
