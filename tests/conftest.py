@@ -8,10 +8,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# `make test` runs the suite in parallel workers (pytest-xdist, one per CPU, at most 4):
-# each worker's torch takes its share of the CPUs.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-os.environ.setdefault("OMP_NUM_THREADS", str(max(1, min(4, (os.cpu_count() or 1) // _WORKERS))))
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # A worker of `make test`'s parallel run (pytest-xdist, one per CPU) takes its share
+    # of the CPUs, for its torch and the processes it starts (engine cores, grammar
+    # processes); the controller's own setting, which it inherits, counts for nothing:
+    # two workers of two threads each on two CPUs ran the suite at half the speed.
+    _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ["OMP_NUM_THREADS"] = str(max(1, min(4, (os.cpu_count() or 1) // _workers)))
+os.environ.setdefault("OMP_NUM_THREADS", str(min(4, os.cpu_count() or 1)))
 # Converted models are shared by all runs of the suite on this checkout.
 os.environ.setdefault("ASYNCLLM_CACHE", str(ROOT / ".cache" / "asyncllm-test"))
 # Dozens of engines start in one test process: a full collection at each start would
