@@ -104,7 +104,8 @@ def glossary_markdown(terms: list[Term] | None = None) -> str:
             symbol, source = f"not yet (`{t.symbol[len(NOT_YET) :]}`)", ""
         else:
             path, first, last = source_lines(resolve(t.symbol))
-            symbol, source = f"`{t.symbol}`", f"`{path}#L{first}-L{last}`"
+            where = f"{path}#L{first}-L{last}"
+            symbol, source = f"`{t.symbol}`", f"[{where}](../{where})"
         vllm = f"`{t.vllm}`" if t.vllm else ""
         out.append(f"| {t.ja} | {t.en} | {vllm} | {symbol} | {source} | {_cell(t.what)} |")
     return "\n".join(out) + "\n"
