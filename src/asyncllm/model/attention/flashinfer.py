@@ -2,8 +2,8 @@
 
 The KV cache is the Triton backend's layout, (2, blocks, block_size, kv_heads,
 head_size): K and V are passed to FlashInfer as a tuple of two NHD page tables, so
-nothing is converted and the step's K/V are written by the same `reshape_and_cache`
-launch. FlashInfer wants the block table as CSR (page index pointers, the pages, the
+nothing is converted and the step's K/V are written by the same launch
+(`triton_attn.write_kv_cache`). FlashInfer wants the block table as CSR (page index pointers, the pages, the
 last page's fill), which `build_metadata` computes on the host from the runner's host
 block table.
 
@@ -34,7 +34,7 @@ from asyncllm.model.attention.backend import (
     AttentionLayerSpec,
     CommonAttentionMetadata,
 )
-from asyncllm_kernels.elementwise import reshape_and_cache
+from asyncllm.model.attention.triton_attn import write_kv_cache
 
 WORKSPACE_BYTES = 256 << 20  # split-KV partial results, shared by every wrapper
 INT_WORKSPACE_BYTES = 8 << 20  # FlashInfer's own size for a wrapper's plan data
@@ -212,12 +212,7 @@ class FlashInferBackend(AttentionBackend):
         metadata: FlashInferMetadata,
     ) -> torch.Tensor:
         md = metadata
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        n = md.slot_mapping.shape[0]
-        reshape_and_cache(
-            k[:n].to(key_cache.dtype), v[:n].to(value_cache.dtype), key_cache, value_cache,
-            md.slot_mapping,
-        )  # fmt: skip
+        key_cache, value_cache = write_kv_cache(k, v, kv_cache, md.slot_mapping)
         key = plan_key(spec, q.dtype, key_cache.dtype)
         if md.planned is None:
             # (the first layer of the group; outside any graph capture: a capture's

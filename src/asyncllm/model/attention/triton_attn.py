@@ -42,6 +42,21 @@ def mixed_warm_up_sizes(ctx: AttentionWarmUp) -> list[int]:
     return list(shapes.values())
 
 
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Writes the step's K/V (its first len(slot_mapping) rows; a negative slot is not
+    written) into a (2, blocks, block_size, kv_heads, head_size) cache, one launch;
+    returns the key and value caches."""
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    n = slot_mapping.shape[0]
+    reshape_and_cache(
+        k[:n].to(key_cache.dtype), v[:n].to(value_cache.dtype), key_cache, value_cache,
+        slot_mapping,
+    )  # fmt: skip
+    return key_cache, value_cache
+
+
 @dataclass
 class TritonAttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1] int32
@@ -87,12 +102,7 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: TritonAttentionMetadata,
     ) -> torch.Tensor:
         md = metadata
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        n = md.slot_mapping.shape[0]
-        reshape_and_cache(
-            k[:n].to(key_cache.dtype), v[:n].to(value_cache.dtype), key_cache, value_cache,
-            md.slot_mapping,
-        )  # fmt: skip
+        key_cache, value_cache = write_kv_cache(k, v, kv_cache, md.slot_mapping)
         return paged_attention(
             q,
             key_cache,
