@@ -324,6 +324,76 @@ def workload_from_args(
     return prompts, max_tokens
 
 
+def add_throughput_workload_args(parser: argparse.ArgumentParser) -> None:
+    """`--workload` and its sizes: nano-vllm's (the default) or a FIXED_WORKLOADS one."""
+    add_workload_args(
+        parser,
+        "--num-prompts",
+        None,
+        f"how many prompts (default: the workload's, {NUM_PROMPTS} for nano-vllm's)",
+    )
+    g = parser.add_argument_group("fixed workloads")
+    g.add_argument(
+        "--workload",
+        choices=["nano-vllm", *FIXED_WORKLOADS],
+        default="nano-vllm",
+        help="which workload (default nano-vllm's; see above)",
+    )
+    g.add_argument("--prompt-len", type=int, default=None, help="prefill / shared-prefix: ids")
+    g.add_argument("--output-len", type=int, default=None, help="prefill / shared-prefix: tokens")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature (default 0.6 for nano-vllm's workload, 0 for the others)",
+    )
+
+
+def check_throughput_workload_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> None:
+    if args.workload == "nano-vllm" and (args.prompt_len or args.output_len):
+        parser.error(
+            "--prompt-len and --output-len are for the prefill and shared-prefix workloads"
+        )
+
+
+def throughput_workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int], float]:
+    """(prompts, max_tokens, temperature) of the workload the arguments name."""
+    if args.workload == "nano-vllm":
+        prompts, max_tokens = workload_from_args(args, args.num_prompts or NUM_PROMPTS)
+        temperature = 0.6
+    else:
+        prompts, max_tokens, temperature = make_fixed_workload(
+            args.workload,
+            args.num_prompts,
+            args.prompt_len,
+            args.output_len,
+            seed=args.seed,
+            max_token_id=args.max_token_id,
+        )
+    return prompts, max_tokens, temperature if args.temperature is None else args.temperature
+
+
+def add_peak_rate_args(parser: argparse.ArgumentParser) -> None:
+    """The card's attainable rates for a floor (default: asyncllm.bench.roofline's table
+    by the device's name)."""
+    g = parser.add_argument_group("roofline")
+    g.add_argument(
+        "--hbm-bandwidth",
+        type=float,
+        default=None,
+        help="attainable memory bandwidth, bytes/s (default: 90%% of the card's datasheet "
+        "figure, for the cards the roofline knows)",
+    )
+    g.add_argument(
+        "--peak-flops",
+        type=float,
+        default=None,
+        help="attainable dense GEMM rate, FLOP/s (default: 80%% of the card's bf16 peak)",
+    )
+
+
 def check_output_tokens(produced: int, expected: int) -> None:
     """Every request ignores EOS, so the engine must produce exactly sum(max_tokens)."""
     if produced != expected:

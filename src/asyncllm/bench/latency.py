@@ -28,11 +28,9 @@ from asyncllm.bench.common import (
     format_table,
     report,
 )
-from asyncllm.bench.roofline import H200_HBM_BYTES_PER_S, ModelShape, decode_floor
+from asyncllm.bench.roofline import DTYPE_BYTES, H200_HBM_BYTES_PER_S, ModelShape, decode_floor
 from asyncllm.entrypoints.llm import LLM
 from asyncllm.sampling_params import SamplingParams
-
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def latency_prompt(

@@ -21,21 +21,21 @@ import time
 from typing import Any
 
 from asyncllm.bench.common import (
-    FIXED_WORKLOADS,
-    NUM_PROMPTS,
     add_engine_args,
+    add_peak_rate_args,
+    add_throughput_workload_args,
     add_warmup_arg,
-    add_workload_args,
     check_output_tokens,
+    check_throughput_workload_args,
     describe_engine,
     engine_kwargs,
     format_table,
-    make_fixed_workload,
     num_warmup_requests,
     report,
+    throughput_workload,
     warmup_requests,
-    workload_from_args,
 )
+from asyncllm.bench.roofline import engine_workload_floor, rates_from_args
 from asyncllm.entrypoints.llm import LLM
 from asyncllm.sampling_params import SamplingParams
 
@@ -49,76 +49,48 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_engine_args(parser, **ENGINE_DEFAULTS)
-    add_workload_args(
-        parser,
-        "--num-prompts",
-        None,
-        f"how many prompts (default: the workload's, {NUM_PROMPTS} for nano-vllm's)",
-    )
-    g = parser.add_argument_group("fixed workloads")
-    g.add_argument(
-        "--workload",
-        choices=["nano-vllm", *FIXED_WORKLOADS],
-        default="nano-vllm",
-        help="which workload (default nano-vllm's; see above)",
-    )
-    g.add_argument("--prompt-len", type=int, default=None, help="prefill / shared-prefix: ids")
-    g.add_argument("--output-len", type=int, default=None, help="prefill / shared-prefix: tokens")
+    add_throughput_workload_args(parser)
     add_warmup_arg(parser)
-    parser.add_argument(
-        "--temperature",
-        type=float,
-        default=None,
-        help="sampling temperature (default 0.6 for nano-vllm's workload, 0 for the others)",
-    )
+    add_peak_rate_args(parser)
     args = parser.parse_args(argv)
-    if args.workload == "nano-vllm" and (args.prompt_len or args.output_len):
-        parser.error(
-            "--prompt-len and --output-len are for the prefill and shared-prefix workloads"
-        )
+    check_throughput_workload_args(parser, args)
     return args
-
-
-def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int], float]:
-    """(prompts, max_tokens, temperature) of the workload the arguments name."""
-    if args.workload == "nano-vllm":
-        prompts, max_tokens = workload_from_args(args, args.num_prompts or NUM_PROMPTS)
-        temperature = 0.6
-    else:
-        prompts, max_tokens, temperature = make_fixed_workload(
-            args.workload,
-            args.num_prompts,
-            args.prompt_len,
-            args.output_len,
-            seed=args.seed,
-            max_token_id=args.max_token_id,
-        )
-    return prompts, max_tokens, temperature if args.temperature is None else args.temperature
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    prompts, max_tokens, temperature = workload(args)
+    prompts, max_tokens, temperature = throughput_workload(args)
     params = [
         SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m) for m in max_tokens
     ]
     requests: list[Any] = [{"prompt_token_ids": p} for p in prompts]
     llm = LLM(**engine_kwargs(args))
     try:
-        engine = describe_engine(llm.engine.config)
-        n_warm = num_warmup_requests(args, llm.engine.config)
+        config = llm.engine.config
+        engine = describe_engine(config)
+        n_warm = num_warmup_requests(args, config)
         if n_warm:
             llm.generate(*warmup_requests(n_warm, temperature), use_tqdm=False)
         llm.reset_prefix_cache()
+        before = llm.get_stats()
         start = time.perf_counter()
         outputs = llm.generate(requests, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
+        after = llm.get_stats()
     finally:
         llm.shutdown()
 
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     check_output_tokens(output_tokens, sum(max_tokens))
     prompt_tokens = sum(map(len, prompts))
+    floor = engine_workload_floor(
+        config,
+        prompts,
+        max_tokens,
+        num_blocks=after["num_blocks"],
+        rates=rates_from_args(args, engine["device_name"]),
+        hybrid=not args.disable_hybrid_kv_cache_manager,
+    )
     result = {
         "benchmark": "throughput",
         "engine": engine,
@@ -132,26 +104,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "output_tok_s": output_tokens / elapsed,
         "total_tok_s": (prompt_tokens + output_tokens) / elapsed,
         "requests_per_s": len(prompts) / elapsed,
+        "steps": after["num_steps"] - before["num_steps"],
+        "preemptions": after["num_preemptions"] - before["num_preemptions"],
+        "floor": floor,
     }
-    table = format_table(
-        ["requests", "prompt tok", "output tok", "time s", "output tok/s", "total tok/s"],
-        [
-            [
-                len(prompts),
-                prompt_tokens,
-                output_tokens,
-                elapsed,
-                result["output_tok_s"],
-                result["total_tok_s"],
-            ]
-        ],
-    )
+    rows: list[list[Any]] = [
+        ["requests", len(prompts)],
+        ["prompt tokens", prompt_tokens],
+        ["output tokens", output_tokens],
+        ["time, s", elapsed],
+        ["output tok/s", result["output_tok_s"]],
+        ["total tok/s", result["total_tok_s"]],
+        ["steps (the plan's)", f"{result['steps']} ({floor['steps']})"],
+        ["preemptions (the plan's)", f"{result['preemptions']} ({floor['preemptions']})"],
+    ]
+    if "serial_s" in floor:
+        result["vs_serial_floor"] = floor["serial_s"] / elapsed
+        result["vs_overlapped_floor"] = floor["overlapped_s"] / elapsed
+        rows += [
+            ["floor: serial kernels, output tok/s", floor["serial_output_tok_s"]],
+            ["floor: all overlapped, output tok/s", floor["overlapped_output_tok_s"]],
+            ["fraction of the serial floor", result["vs_serial_floor"]],
+            ["fraction of the overlapped floor", result["vs_overlapped_floor"]],
+        ]
+    else:
+        rows.append(["floor", "(no peak rates for this device: --hbm-bandwidth, --peak-flops)"])
     title = (
         f"throughput: {engine['model']} ({engine['architecture']}), {engine['dtype']} on "
         f"{engine['device']} ({engine['device_name']}), {args.workload} workload, temperature "
         f"{temperature}, EOS ignored"
     )
-    return report(title, table, result)
+    return report(title, format_table(["figure", "value"], rows), result)
 
 
 if __name__ == "__main__":

@@ -238,6 +238,11 @@ class Scheduler:
         """Steps scheduled whose results `update_from_output` has not applied yet."""
         return len(self._in_flight)
 
+    def sampling_requests(self, sched: SchedulerOutput) -> list[str]:
+        """Ids of the requests whose next token the step `sched` (in flight) samples."""
+        record = self._in_flight.get(id(sched))
+        return [req.request_id for req, _, samples, _ in record[1] if samples] if record else []
+
     def has_unfinished_requests(self) -> bool:
         """Whether `schedule()` has anyone to schedule (running, waiting, or waiting for
         its grammar)."""
@@ -536,8 +541,10 @@ class Scheduler:
 
     def _record_step(self, prefill: int, decode: int, chunked: bool) -> None:
         s = self.stats
-        s.num_steps += 1
         s.step_prefill_tokens, s.step_decode_tokens = prefill, decode
+        if not prefill and not decode:  # (nothing to run: not a step of the model)
+            return
+        s.num_steps += 1
         s.total_prefill_tokens += prefill
         s.total_decode_tokens += decode
         s.num_mixed_steps += bool(prefill and decode)
