@@ -207,3 +207,46 @@ def test_the_command_line(capsys):
     assert same["serial_s"] == pytest.approx(result["serial_s"])
     with pytest.raises(SystemExit):
         roofline.main(["--model", str(model), "--card", "B200"])
+
+
+def test_kernels_by_class():
+    from asyncllm.bench.kernel_classes import class_times, kernel_class
+
+    named = {
+        "nvjet_tst_128x64_64x8_1x1_v_bz_coopA_TNN": "gemm",
+        "_skinny_gemm_kernel": "gemm",
+        "_grouped_gemm_kernel": "gemm",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "gemm",
+        "_paged_attention_kernel": "attention",
+        "_merge_splits_kernel": "attention",
+        "_mla_decode_kernel": "attention",
+        "BatchDecodeWithPagedKVCacheKernel": "attention",
+        "_rms_norm_kernel": "elementwise",
+        "_silu_and_mul_kernel": "elementwise",
+        "_rotary_kernel": "elementwise",
+        "_reshape_and_cache_kernel": "elementwise",
+        "_softmax_topk_kernel": "elementwise",  # (routing, not sampling)
+        "void at::native::vectorized_elementwise_kernel<4, ...>": "elementwise",
+        "void at::native::reduce_kernel<512, 1, ...ArgMaxOps...>": "sampling",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>": "sampling",
+        "_apply_token_bitmask_kernel": "sampling",
+        "some_new_kernel": "other",
+    }
+    assert {n: kernel_class(n) for n in named} == named
+    times = class_times([("_rms_norm_kernel", 2.0), ("nvjet_x", 5.0), ("_rotary_kernel", 1.5)])
+    assert times == {"gemm": 5.0, "attention": 0.0, "elementwise": 3.5, "sampling": 0.0, "other": 0.0}
+
+
+def test_class_floors_by_hand():
+    from asyncllm.bench.kernel_classes import class_floors, elementwise_bytes_per_token
+
+    rates = PeakRates(bandwidth=1e3, flops=1e6)
+    floors = class_floors(SHAPE, 2, [(1, 10), (4, 4)], 2, rates)
+    cost = step_cost(SHAPE, 2, [(1, 10), (4, 4)], 2)
+    assert floors["gemm"] == max(cost.gemm_flops / 1e6, cost.weight_bytes / 1e3)
+    assert floors["attention"] == max(cost.attention_flops / 1e6, cost.kv_bytes / 1e3)
+    # per layer: two norms (4 x 8), SiLU-and-mul (3 x 16), rotary (2 x 12), K/V write (4 x 4)
+    per_token = (2 * (2 * 4 * 8 + 3 * 16 + 2 * 12 + 4 * 4) + 2 * 8) * 2
+    assert elementwise_bytes_per_token(SHAPE, 2) == per_token
+    assert floors["elementwise"] == 5 * per_token / 1e3
+    assert floors["sampling"] == 2 * 32 * 4 / 1e3 and floors["other"] == 0

@@ -115,6 +115,21 @@ def test_step_profile(capsys, engine_flags, tmp_path):
     assert pstats.Stats(str(stats)).total_calls > 0
 
 
+def test_step_profile_of_mixed_steps_at_two_context_lengths(capsys, engine_flags):
+    from asyncllm.bench import step_profile
+
+    args = ["--batch", "2", "--input-len", "8", "24", "--steps", "3", "--mixed", "20"]
+    result = step_profile.main([*engine_flags, *args])
+    rows = result["rows"]
+    assert [(r["batch"], r["input_len"], r["mixed"]) for r in rows] == [(2, 8, 20), (2, 24, 20)]
+    for r in rows:
+        assert r["mixed_steps"] == 3  # (a prefill beside the decodes in every timed step)
+        assert r["step"] == pytest.approx(
+            sum(r[s] for s in step_profile.STAGES) + r["other"]
+        )
+        assert "classes" not in r and "floors" not in r  # (the CPU: no trace, no card)
+
+
 def test_startup(capsys, engine_flags, monkeypatch):
     """A warm start, every stage measured (here in this interpreter: a fresh one, as the
     benchmark runs it, would only add the imports' seconds)."""

@@ -31,7 +31,12 @@ The stages are timed without a profiler; a second run of as many steps under
 `torch.profiler` gives the device side (CUDA only, read from its Chrome trace): `gpu`,
 the sum of the step's kernel times, and the kernels that take most of it; the device's
 idle time between consecutive steps and in all (`device_gaps`); and `replay`, one replay
-of the step's decode graph alone between CUDA events (launch gaps included). `--cprofile FILE` writes Python-level
+of the step's decode graph alone between CUDA events (launch gaps included); and the kernels' time by class (GEMMs, attention, elementwise,
+sampling, other: `asyncllm.bench.kernel_classes`) beside each class's floor for the
+step, on a card whose rates the roofline knows (or `--hbm-bandwidth`, `--peak-flops`).
+`--input-len` takes several prompt lengths (a row for each batch at each), and
+`--mixed N` prefills a new request of N tokens beside the decodes in every timed step
+(a mixed step). `--cprofile FILE` writes Python-level
 stats of the timed steps, `--trace-dir DIR` each batch's Chrome trace. `--structured`
 constrains every request with the benchmarks' JSON schema (an array of 64 short
 strings; it needs the tokenizer).
@@ -56,7 +61,15 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from asyncllm.bench.common import ARRAY_SCHEMA, add_engine_args, engine_kwargs, wrap_timed
+from asyncllm.bench.common import (
+    ARRAY_SCHEMA,
+    add_engine_args,
+    add_peak_rate_args,
+    engine_kwargs,
+    wrap_timed,
+)
+from asyncllm.bench.kernel_classes import KERNEL_CLASSES, class_floors, class_times
+from asyncllm.bench.roofline import DTYPE_BYTES, ModelShape, rates_from_args
 
 STEP_MARK = "asyncllm.step"
 STAGES = (
@@ -168,7 +181,11 @@ def profile_batch(
     trace_dir: str | None = None,
     inline_frontend: bool = False,
     structured: bool = False,
+    mixed: int = 0,
+    rates: Any = None,
 ) -> dict[str, Any]:
+    """One row: `batch` requests decoding after prompts of `input_len`; with `mixed`,
+    every timed step also prefills a new request of that many tokens."""
     import torch
 
     from asyncllm import SamplingParams, StructuredOutputsParams
@@ -194,8 +211,15 @@ def profile_batch(
         r.num_computed_tokens < len(r.prompt_token_ids) for r in core.scheduler.running
     ):
         engine.step()  # prefills
+
+    def add_mixed() -> None:
+        if mixed:
+            prompt = [rng.randint(0, 4000) for _ in range(mixed)]
+            engine.add_request(engine.next_request_id(), {"prompt_token_ids": prompt}, params)
+
     for _ in range(3):
-        engine.step()  # warm decode steps
+        add_mixed()
+        engine.step()  # warm steps
     times: dict[str, float] = defaultdict(float)
     _wrap(core.scheduler, "schedule", "schedule", times)
     _wrap(core.scheduler, "update_from_output", "update", times)
@@ -213,6 +237,7 @@ def profile_batch(
     _wrap(encoder, "encode", "encode", times)
 
     def one_step() -> None:
+        add_mixed()
         if inline_frontend:
             engine.step()
         else:
@@ -222,10 +247,12 @@ def profile_batch(
     # Pass 1: wall times of the stages, no profiler (it slows every launch down).
     if cprofile is not None:
         cprofile.enable()
+    mixed_before = core.scheduler.stats.num_mixed_steps
     t0 = time.perf_counter()
     for _ in range(steps):
         one_step()
     wall = time.perf_counter() - t0
+    mixed_steps = core.scheduler.stats.num_mixed_steps - mixed_before
     if cprofile is not None:
         cprofile.disable()
     row: dict[str, Any] = {stage: times[stage] / steps * 1e6 for stage in STAGES}
@@ -254,13 +281,18 @@ def profile_batch(
         marks = [e for e in events if e.get("name") == STEP_MARK and e.get("ph") == "X"]
         on_gpu = [e for e in marks if e.get("cat") == "gpu_user_annotation"]
         kept = min(max(len(on_gpu or marks), 1), steps)
+        kernels = [
+            (e["name"], e["dur"] / kept)
+            for e in events
+            if e.get("ph") == "X" and e.get("cat") == "kernel"
+        ]
         per_kernel: dict[str, float] = defaultdict(float)
-        for e in events:
-            if e.get("ph") == "X" and e.get("cat") == "kernel":
-                per_kernel[e["name"][:60]] += e["dur"] / kept
+        for name, us in kernels:
+            per_kernel[name[:60]] += us
         row["gpu"] = sum(per_kernel.values())
         top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]
         row["kernels"] = {name: round(us, 1) for name, us in top}
+        row["classes"] = class_times(kernels)
         row["device"] = device_gaps(events)
         row["replay"] = _time_replay(runner, batch)
     unwrap_apply()
@@ -269,8 +301,44 @@ def profile_batch(
     while core.has_unfinished_requests():
         core.step()
     row["batch"] = batch
+    row["input_len"] = input_len
+    row["mixed"] = mixed
+    row["mixed_steps"] = mixed_steps  # (of the first, untraced pass)
     row["graphs"] = runner.graphs is not None
+    if rates is not None:
+        # (the step at the middle of the timed ones: each decode over its prompt, the
+        # warm steps and half the timed ones; a mixed step's new prompt besides)
+        keys = input_len + 3 + steps // 2 + 1
+        rows = [(1, keys)] * batch + ([(mixed, mixed)] if mixed else [])
+        shape = ModelShape.from_hf_config(core.config.model.hf_config)
+        dtype_bytes = DTYPE_BYTES[str(core.config.model.dtype).removeprefix("torch.")]
+        floors = class_floors(shape, dtype_bytes, rows, len(rows), rates)
+        row["floors"] = {cls: round(sec * 1e6, 1) for cls, sec in floors.items()}
     return row
+
+
+def print_classes(rows: Sequence[dict[str, Any]]) -> None:
+    """µs per step by kernel class, each beside its floor where the card's rates are
+    known (floor / time: how close the class runs to its floor)."""
+    if not any("classes" in r for r in rows):
+        return
+    print("µs per step by kernel class (time / floor / floor÷time)")
+    print(f"{'batch':>6} {'input':>6} {'mixed':>6} " + " ".join(f"{c:>24}" for c in KERNEL_CLASSES))
+    for r in rows:
+        if "classes" not in r:
+            continue
+        cells = []
+        for c in KERNEL_CLASSES:
+            t = r["classes"][c]
+            floor = r.get("floors", {}).get(c)
+            if floor:
+                cells.append(f"{t:.0f} / {floor:.0f} / {floor / t if t else 0:.2f}")
+            else:
+                cells.append(f"{t:.0f}")
+        print(
+            f"{r['batch']:>6} {r['input_len']:>6} {r['mixed']:>6} "
+            + " ".join(f"{x:>24}" for x in cells)
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -280,7 +348,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     add_engine_args(parser)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 256])
-    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument(
+        "--input-len",
+        type=int,
+        nargs="+",
+        default=[128],
+        help="prompt tokens (several: a row each)",
+    )
+    parser.add_argument(
+        "--mixed",
+        type=int,
+        default=0,
+        help="also prefill a new request of this many tokens in every timed step",
+    )
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cprofile", help="write cProfile stats of the timed steps here")
@@ -295,38 +375,49 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="constrain every request with a JSON schema (an array of 64 short strings)",
     )
+    add_peak_rate_args(parser)
     args = parser.parse_args(argv)
     from asyncllm import LLM
 
     kwargs = engine_kwargs(args)
-    kwargs.setdefault("max_num_seqs", max(args.batch))
-    kwargs.setdefault("max_model_len", args.input_len + args.steps + 64)
+    kwargs.setdefault("max_num_seqs", max(args.batch) + (args.steps + 3 if args.mixed else 0))
+    kwargs.setdefault("max_model_len", max(args.input_len + [args.mixed]) + args.steps + 64)
     t0 = time.perf_counter()
     llm = LLM(multiprocess=False, **kwargs)
     client: Any = llm.engine.client  # (the in-process client: its core is here)
     startup = dataclasses.asdict(client.core.executor.worker.report)
     startup["engine_s"] = time.perf_counter() - t0
     prof = cProfile.Profile() if args.cprofile else None
+    config = client.core.config
+    device = str(config.model.device)
+    rates = None
+    if device.startswith("cuda"):
+        import torch
+
+        rates = rates_from_args(args, torch.cuda.get_device_name(config.model.device))
     try:
         rows = [
             profile_batch(
                 llm,
                 b,
-                args.input_len,
+                n,
                 args.steps,
                 args.seed,
                 prof,
                 args.trace_dir,
                 args.inline_frontend,
                 args.structured,
+                args.mixed,
+                rates,
             )
+            for n in args.input_len
             for b in args.batch
         ]
     finally:
         llm.shutdown()
     if prof is not None:
         prof.dump_stats(args.cprofile)
-    cols = ("batch", "step", *STAGES, "other", "gpu", "replay")
+    cols = ("batch", "input_len", "step", *STAGES, "other", "gpu", "replay")
     print("µs per decode step" + (" (CUDA graphs)" if rows[0]["graphs"] else ""))
     print(" ".join(f"{c:>9}" for c in cols))
     for r in rows:
@@ -356,6 +447,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             )
         for name, us in r["kernels"].items():
             print(f"  batch {r['batch']}: {us:>8.1f} µs  {name}")
+    print_classes(rows)
     print(json.dumps(result))
     return result
 
