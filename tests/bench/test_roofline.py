@@ -234,7 +234,13 @@ def test_kernels_by_class():
     }
     assert {n: kernel_class(n) for n in named} == named
     times = class_times([("_rms_norm_kernel", 2.0), ("nvjet_x", 5.0), ("_rotary_kernel", 1.5)])
-    assert times == {"gemm": 5.0, "attention": 0.0, "elementwise": 3.5, "sampling": 0.0, "other": 0.0}
+    assert times == {
+        "gemm": 5.0,
+        "attention": 0.0,
+        "elementwise": 3.5,
+        "sampling": 0.0,
+        "other": 0.0,
+    }
 
 
 def test_class_floors_by_hand():

@@ -9,11 +9,12 @@ llama3 and yarn. Layouts: NeoX (rotate halves) and GPT-J (rotate interleaved pai
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from asyncllm.model.layers.norm import RMSNorm
 from asyncllm_kernels.reference import apply_rotary_ref
 
 
@@ -111,21 +112,44 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        norms: tuple[nn.Module, nn.Module] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq * D] or [T, Hq, D]; k likewise. Returns them rotated, same shapes
         (on CUDA rotated in place by one Triton kernel; elsewhere new tensors, from the
-        kernel's plain-torch reference)."""
+        kernel's plain-torch reference). `norms`: q's and k's per-head norms (Qwen3's
+        q_norm, k_norm), applied first; on CUDA in the rotation's launch where both are
+        plain RMSNorms and the rotation covers whole heads."""
+        cuda = q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1
+        if norms is not None and not (cuda and self._fuses(norms)):
+            q, k = norms[0](q), norms[1](k)
+            norms = None
         q3 = q.view(q.shape[0], -1, self.head_size)
         k3 = k.view(k.shape[0], -1, self.head_size)
-        if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
+        if cuda:
             from asyncllm_kernels.rotary import apply_rotary_
 
-            apply_rotary_(positions, q3, k3, self.cos_sin_cache, self.is_neox_style)
+            weights, eps = None, 0.0
+            if norms is not None:
+                qn, kn = cast(RMSNorm, norms[0]), cast(RMSNorm, norms[1])
+                weights, eps = (qn.weight, kn.weight), qn.eps
+            apply_rotary_(positions, q3, k3, self.cos_sin_cache, self.is_neox_style, weights, eps)
             return q, k
         q3 = apply_rotary_ref(positions, q3, self.cos_sin_cache, self.is_neox_style)
         k3 = apply_rotary_ref(positions, k3, self.cos_sin_cache, self.is_neox_style)
         return q3.reshape(q.shape), k3.reshape(k.shape)
+
+    def _fuses(self, norms: tuple[nn.Module, nn.Module]) -> bool:
+        qn, kn = norms
+        return (
+            type(qn) is RMSNorm
+            and type(kn) is RMSNorm
+            and qn.eps == kn.eps
+            and self.rotary_dim == self.head_size
+        )
 
 
 def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:

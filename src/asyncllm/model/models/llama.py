@@ -69,9 +69,10 @@ class PagedSelfAttention(nn.Module):
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        norms = None
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            norms = (self.q_norm, self.k_norm)  # (on CUDA, in the rotation's launch)
+        q, k = self.rotary_emb(positions, q, k, norms)
         out = self.backend.forward(self.spec, q, k, v, kv_cache, attn_metadata)
         return self.o_proj(out.reshape(T, self.q_size))
 
