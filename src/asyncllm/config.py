@@ -130,6 +130,7 @@ class EngineConfig:
     attention_backend: str | None = None
     # Decode batch sizes with a CUDA graph (sorted; empty: every step runs eager).
     cudagraph_capture_sizes: list[int] = field(default_factory=list)
+    ubatch: str | int = "off"  # as EngineArgs.ubatch (checked)
     cpu_threads: int | None = None  # as the user set it (see engine/cpu_threads.py)
 
 
@@ -156,6 +157,19 @@ def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> N
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {value}")
+
+
+def check_ubatch(value: Any) -> str | int:
+    """EngineArgs.ubatch as given: 'off', 'auto', or an int of at least 2 (from the
+    command line, its digits)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, str):
+        if value not in ("off", "auto"):
+            raise ValueError(f"ubatch must be 'off', 'auto' or an int of at least 2, got {value!r}")
+        return value
+    _check_int("ubatch", value, 2)
+    return int(value)
 
 
 def _check_bool(name: str, value: Any) -> None:
@@ -210,6 +224,12 @@ class EngineArgs:
     cudagraph_capture_sizes: list[int] | None = None
     """Decode batch sizes captured as CUDA graphs; None: 1, 2, 4, 8, then every 8 up to
     min(max_num_seqs, 512). Larger decode batches and mixed steps run eager."""
+    ubatch: str | int = "off"
+    """Micro-batches: N (2 or more) splits each step the model runs eagerly (prefills and
+    mixed steps, never a decode graph) of at least N requests into N parts of whole
+    requests, balanced by tokens, each on a CUDA stream of its own so that one part's
+    GEMMs can overlap another's attention; 'auto': only where a measurement recorded in
+    worker/ubatch.py says it pays; 'off'."""
     load_format: str = "auto"
     """auto, safetensors, pt, gguf (the model's weights) or dummy (random weights of
     the model's shape)."""
@@ -298,6 +318,7 @@ class EngineArgs:
             for size in sizes:
                 _check_int("cudagraph_capture_sizes[]", size, 1)
             self.cudagraph_capture_sizes = sorted(set(sizes))
+        self.ubatch = check_ubatch(self.ubatch)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1, optional=True)

@@ -240,6 +240,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         max_logprobs=args.max_logprobs,
         attention_backend=args.attention_backend,
         cudagraph_capture_sizes=_capture_sizes(args, model.device, max_num_seqs),
+        ubatch=args.ubatch,
         cpu_threads=args.cpu_threads,
     )
 

@@ -71,6 +71,7 @@ from asyncllm.worker.step_buffers import StepBuffers
 from asyncllm.worker.step_inputs import StepInputs, gather_step_inputs
 from asyncllm.worker.step_result import SampledGroup, StepResult, StepsInFlight
 from asyncllm.worker.step_sampler import PromptLogprobRows, StepSampler, prompt_logprob_rows
+from asyncllm.worker.ubatch import MicroBatches, parts_independent
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,18 @@ class ModelRunner:
             self.last_sampled,
             self.device,
         )
+        # Micro-batches of eager steps (EngineArgs.ubatch; None: off)
+        self.ubatches = (
+            MicroBatches(
+                config.ubatch,
+                str((getattr(mc.hf_config, "architectures", None) or [""])[0]),
+                int(mc.hf_config.hidden_size),
+                self.device,
+            )
+            if config.ubatch != "off"
+            else None
+        )
+        self.num_split_steps = 0  # steps run in micro-batches
         self.grammar = GrammarRows(
             self.input_batch, self.buffers, self.last_sampled, sched.max_num_seqs, self.device
         )
@@ -443,28 +456,41 @@ class ModelRunner:
             buf.input_ids.device.index_copy_(0, buf.pending_at.device[:k], sampled)
         return inputs
 
-    def attention_metadata(self, T: int, S: int, for_cuda_graph: bool = False) -> list[Any]:
+    def attention_metadata(
+        self,
+        T: int,
+        S: int,
+        for_cuda_graph: bool = False,
+        seqs: tuple[int, int] | None = None,
+    ) -> list[Any]:
         """The backend's attention metadata of each layer of this stage (one per KV
         cache group, shared by its layers) over the first T tokens and S sequences of
         the step buffers (already on the device); `for_cuda_graph`: a decode graph's
-        batch (captured or about to be replayed)."""
+        batch (captured or about to be replayed); `seqs`: only the sequences
+        [first, end) and their tokens (a micro-batch)."""
         buf = self.buffers
-        qsl = buf.query_start_loc.np[: S + 1]
-        seq_lens = buf.seq_lens.np[:S]
+        a, b = seqs or (0, S)
+        t0 = int(buf.query_start_loc.np[a])
+        t1 = int(buf.query_start_loc.np[b]) if seqs else T
+        qsl = buf.query_start_loc.np[a : b + 1] - t0
+        qsl_device = buf.query_start_loc.device[a : b + 1]
+        if t0:
+            qsl_device = qsl_device - t0
+        seq_lens = buf.seq_lens.np[a:b]
         per_group = {}
         layer_groups = self.layer_groups
         for g in sorted(set(layer_groups)):
             common = CommonAttentionMetadata(
-                query_start_loc=buf.query_start_loc.device[: S + 1],
-                seq_lens=buf.seq_lens.device[:S],
-                block_table=buf.block_table.device[g, :S],
-                slot_mapping=buf.slot_mapping.device[g, :T],
+                query_start_loc=qsl_device,
+                seq_lens=buf.seq_lens.device[a:b],
+                block_table=buf.block_table.device[g, a:b],
+                slot_mapping=buf.slot_mapping.device[g, t0:t1],
                 query_start_loc_cpu=qsl,
                 seq_lens_cpu=seq_lens,
                 num_actual_tokens=int(qsl[-1]),
-                max_query_len=int(np.diff(qsl).max()) if S else 0,
-                max_seq_len=int(seq_lens.max()) if S else 0,
-                block_table_cpu=buf.block_table.np[g, :S],
+                max_query_len=int(np.diff(qsl).max()) if b > a else 0,
+                max_seq_len=int(seq_lens.max()) if b > a else 0,
+                block_table_cpu=buf.block_table.np[g, a:b],
                 kv_group=g,
                 for_cuda_graph=for_cuda_graph,
             )
@@ -478,6 +504,7 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         inert: bool = False,
         attn_metadata: list[Any] | None = None,
+        split: bool = False,
     ) -> torch.Tensor | None:
         """The model over the first T tokens and S sequences of the step buffers: its
         hidden states on the last pipeline stage, None on the others, which send theirs
@@ -485,8 +512,14 @@ class ModelRunner:
         An `inert` batch (start-up: profiling, capture, warm-up) passes nothing between
         stages: a stage after the first runs on uninitialised inputs of the same shape.
         `attn_metadata`: built beforehand (a graph capture builds it outside the graph);
-        by default built here."""
+        by default built here. `split`: in micro-batches where `ubatch` says (a step of
+        one stage, not a decode graph's batch)."""
         model = self.loaded_model()
+        parts = self._micro_batches(T, S) if split else None
+        if parts is not None:
+            assert self.ubatches is not None
+            self.num_split_steps += 1
+            return self.ubatches.run(parts, lambda a, b: self._forward_part(a, b, kv_caches))
         received: IntermediateTensors | None = None
         if not self.first_stage:
             if inert:
@@ -514,6 +547,38 @@ class ModelRunner:
             self.pp.send_tensor_dict(out)
         return None
 
+    def _micro_batches(self, T: int, S: int) -> list[tuple[int, int]] | None:
+        """The step's micro-batches (runs of whole requests), or None to run it whole."""
+        if self.ubatches is None or not (self.first_stage and self.last_stage):
+            return None
+        buf = self.buffers
+        qsl = buf.query_start_loc.np[: S + 1]
+        parts = self.ubatches.plan(qsl)
+        if parts is None or not parts_independent(
+            parts,
+            qsl,
+            buf.seq_lens.np[:S],
+            buf.block_table.np[:, :S],
+            buf.slot_mapping.np[:, :T],
+            self.block_size,
+        ):
+            return None
+        return parts
+
+    def _forward_part(self, a: int, b: int, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """The hidden states of the step's sequences [a, b) alone (a micro-batch)."""
+        qsl = self.buffers.query_start_loc.np
+        t0, t1 = int(qsl[a]), int(qsl[b])
+        out = self.loaded_model()(
+            self.buffers.input_ids.device[t0:t1],
+            self.buffers.positions.device[t0:t1],
+            kv_caches,
+            self.attention_metadata(t1, b, seqs=(a, b)),
+            None,
+        )
+        assert isinstance(out, torch.Tensor)
+        return out
+
     def _run_model(
         self, inputs: StepInputs, prompt_rows: list[PromptLogprobRows]
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -528,7 +593,7 @@ class ModelRunner:
             self.graphs.replay(size)
             return None, self.graph_logits[:S]
         T = size or inputs.num_tokens  # padded on the CPU too, to test the padding
-        hidden = self.forward(T, size or S, self.kv_caches)
+        hidden = self.forward(T, size or S, self.kv_caches, split=size is None)
         assert hidden is not None  # (the last stage's)
         if not len(inputs.samples):
             return hidden, hidden.new_empty((0, self.vocab_size), dtype=torch.float32)

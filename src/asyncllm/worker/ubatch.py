@@ -1,0 +1,106 @@
+"""Micro-batches: a step the model runs eagerly, split into parts of whole requests.
+
+A step with large prefill chunks is compute-bound; split in two, one part's GEMMs can
+run while the other's attention does (NanoFlow's idea), each part's layers queued on a
+CUDA stream of its own. A part is a run of whole requests (its tokens, positions, block
+tables and KV slots are a slice of the step buffers); the parts' hidden states are put
+back together in batch order, so the logits and sampling do not change. A decode graph
+is never split (a decode step is memory-bound: split, it would read the weights twice).
+
+`EngineArgs.ubatch`: N splits every eager step of at least N requests into N parts;
+"auto" only where `AUTO_MIN_TOKENS` holds a measured size from which two parts pay for
+the model's shape (none yet: "auto" splits nothing until a measurement says it pays);
+"off".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+# (architecture, hidden size) -> the fewest tokens of a step from which two parts were
+# measured faster than one (docs/benchmarks.md); shapes not listed are never split.
+AUTO_MIN_TOKENS: dict[tuple[str, int], int] = {}
+
+
+def split_requests(query_start_loc: np.ndarray, parts: int) -> list[tuple[int, int]]:
+    """Up to `parts` runs of whole requests [(first, end), ...], in order, covering the
+    step: each ends at the request boundary nearest its share of the tokens; no run is
+    empty. `query_start_loc`: the step's [S + 1] token offsets."""
+    S = len(query_start_loc) - 1
+    total = int(query_start_loc[-1])
+    parts = min(parts, S)
+    bounds = [0]
+    for i in range(1, parts):
+        lo, hi = bounds[-1] + 1, S - (parts - i)  # (a request left for each run after)
+        candidates = np.arange(lo, hi + 1)
+        target = total * i / parts
+        bounds.append(int(candidates[np.abs(query_start_loc[candidates] - target).argmin()]))
+    bounds.append(S)
+    return list(zip(bounds, bounds[1:]))
+
+
+class MicroBatches:
+    """Decides each eager step's split (`plan`) and runs the parts (`run`)."""
+
+    def __init__(self, setting: str | int, architecture: str, hidden: int, device: torch.device):
+        self.parts = setting if isinstance(setting, int) else 0
+        self.min_tokens = 0
+        if setting == "auto" and (architecture, hidden) in AUTO_MIN_TOKENS:
+            self.parts, self.min_tokens = 2, AUTO_MIN_TOKENS[(architecture, hidden)]
+        self.streams: list[torch.cuda.Stream] = []
+        if self.parts and device.type == "cuda":
+            self.streams = [torch.cuda.Stream(device) for _ in range(self.parts)]
+
+    def plan(self, query_start_loc: np.ndarray) -> list[tuple[int, int]] | None:
+        """The step's parts, or None to run it whole."""
+        S = len(query_start_loc) - 1
+        if not self.parts or S < self.parts or int(query_start_loc[-1]) < self.min_tokens:
+            return None
+        return split_requests(query_start_loc, self.parts)
+
+    def run(
+        self, parts: list[tuple[int, int]], forward_part: Callable[[int, int], torch.Tensor]
+    ) -> torch.Tensor:
+        """Each part's forward (`forward_part(first, end)`: its hidden states), on its
+        own stream on CUDA (each waits for what the step queued before it; the step's
+        stream then waits for every part), concatenated in order."""
+        if not self.streams:
+            return torch.cat([forward_part(a, b) for a, b in parts])
+        main = torch.cuda.current_stream()
+        outs = []
+        for (a, b), stream in zip(parts, self.streams):
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                outs.append(forward_part(a, b))
+        for out, stream in zip(outs, self.streams):
+            main.wait_stream(stream)
+            out.record_stream(main)  # (made on the part's stream, read on the step's)
+        return torch.cat(outs)
+
+
+def parts_independent(
+    parts: list[tuple[int, int]],
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: np.ndarray,
+    slot_mapping: np.ndarray,
+    block_size: int,
+) -> bool:
+    """Whether no request reads, as its context, a KV block that a request of an earlier
+    part writes in this step (a prefix-cache hit on blocks computed in the same step):
+    such a part must wait for the other's cache writes layer by layer, which separate
+    streams do not. `block_tables`: [groups, S, blocks]; `slot_mapping`: [groups, T]."""
+    for (_, b), (_, end) in zip(parts, parts[1:]):
+        written_until = int(query_start_loc[b])
+        for g in range(block_tables.shape[0]):
+            slots = slot_mapping[g, :written_until]
+            written = set((slots[slots >= 0] // block_size).tolist())
+            for s in range(b, end):
+                context = int(seq_lens[s]) - int(query_start_loc[s + 1] - query_start_loc[s])
+                read = block_tables[g, s, : -(-context // block_size)]
+                if written.intersection(read.tolist()):
+                    return False
+    return True
