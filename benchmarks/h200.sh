@@ -65,6 +65,8 @@ for s in "$@"; do
     SYNC=()  # a stage name ending in -fi runs on the flashinfer attention backend,
     t=$s
     case $t in *-fi) SYNC+=(--attention-backend flashinfer); t=${t%-fi} ;; esac
+    # one ending in -ub2 in two micro-batches per eager step,
+    case $t in *-ub2) SYNC+=(--ubatch 2); t=${t%-ub2} ;; esac
     # one ending in -sync without async scheduling,
     case $t in *-sync) SYNC+=(--no-async-scheduling) ;; esac
     # and one ending in -mp through the multiprocess executor (one worker process)

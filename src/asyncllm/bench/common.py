@@ -59,6 +59,7 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         "auto, triton (CUDA), flashinfer (CUDA, the flashinfer extra), torch_native, "
         "triton_mla / torch_mla (latent attention), or a registered name",
     ),
+    ("--ubatch", "ubatch", str, "micro-batches of eager steps: off, auto or N (2 or more)"),
     ("--tensor-parallel-size", "tensor_parallel_size", int, "ranks a layer is split over"),
     (
         "--distributed-executor-backend",
