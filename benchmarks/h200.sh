@@ -80,6 +80,13 @@ for s in "$@"; do
     profile-0.6b) stage "$s" python3 -m asyncllm.bench.step_profile "${Q06[@]}" "${SYNC[@]}" --batch 1 256 --trace-dir "$OUT" && gzip -f "$OUT"/trace-*.json ;;
     serving-0.6b) stage "$s" python3 -m asyncllm.bench.serving "${Q06[@]}" "${SYNC[@]}" ;;
     profile-8b) stage "$s" python3 -m asyncllm.bench.step_profile "${L8[@]}" "${SYNC[@]}" --batch 1 256 ;;
+    # (decodes at three context lengths; then steps that are mostly one 12k-token prefill)
+    profile-classes-0.6b) stage "$s" python3 -m asyncllm.bench.step_profile "${Q06[@]}" "${SYNC[@]}" \
+        --batch 1 64 256 --input-len 128 2048 --steps 30 ;;
+    profile-prefill-0.6b) stage "$s" python3 -m asyncllm.bench.step_profile "${Q06[@]}" "${SYNC[@]}" \
+        --batch 4 --mixed 12000 --steps 8 ;;
+    profile-prefill-8b) stage "$s" python3 -m asyncllm.bench.step_profile "${L8[@]}" "${SYNC[@]}" \
+        --batch 4 --mixed 12000 --steps 8 ;;
     latency-gemma3) stage "$s" python3 -m asyncllm.bench.latency "${G3[@]}" "${SYNC[@]}" ;;
     throughput-gemma3) stage "$s" python3 -m asyncllm.bench.throughput "${G3[@]}" "${SYNC[@]}" ;;
     # (every layer keeping every token's KV: the hybrid KV cache's baseline)

@@ -95,6 +95,24 @@ def _wrap(obj: Any, name: str, stage: str, times: dict[str, float]) -> Callable[
     return wrap_timed(obj, name, add)
 
 
+def record_steps(scheduler: Any) -> tuple[list[tuple[list[tuple[int, int]], int]], Any]:
+    """Records what each step `scheduler.schedule()` makes computes (per request, its
+    tokens and the keys they attend to; how many sample) until the undo is called."""
+    planned: list[tuple[list[tuple[int, int]], int]] = []
+    schedule = scheduler.schedule
+
+    def recording() -> Any:
+        sched = schedule()
+        if sched.total_num_scheduled_tokens:
+            reqs = scheduler.requests
+            rows = [(n, reqs[r].num_computed_tokens) for r, n in sched.num_scheduled_tokens.items()]
+            planned.append((rows, len(scheduler.sampling_requests(sched))))
+        return sched
+
+    scheduler.schedule = recording
+    return planned, lambda: setattr(scheduler, "schedule", schedule)
+
+
 def _time_replay(runner: Any, batch: int) -> float | None:
     """µs of one replay of the batch's decode graph alone, between CUDA events (median
     of 20). The step buffers still hold the last step's inputs, so each replay rewrites
@@ -248,10 +266,12 @@ def profile_batch(
     if cprofile is not None:
         cprofile.enable()
     mixed_before = core.scheduler.stats.num_mixed_steps
+    first_pass, undo = record_steps(core.scheduler)
     t0 = time.perf_counter()
     for _ in range(steps):
         one_step()
     wall = time.perf_counter() - t0
+    undo()
     mixed_steps = core.scheduler.stats.num_mixed_steps - mixed_before
     if cprofile is not None:
         cprofile.disable()
@@ -264,11 +284,15 @@ def profile_batch(
         # Pass 2: the same steps under torch.profiler, for the kernels' device time.
         from torch.profiler import ProfilerActivity, profile, record_function
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                with record_function(STEP_MARK):
-                    one_step()
-            torch.cuda.synchronize()
+        planned, undo = record_steps(core.scheduler)
+        try:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    with record_function(STEP_MARK):
+                        one_step()
+                torch.cuda.synchronize()
+        finally:
+            undo()
         # The kernels' times come from the exported trace, per step kept in it: it may
         # keep only the last steps (on the H200, 12 of 50).
         with tempfile.TemporaryDirectory() as tmp:
@@ -293,6 +317,15 @@ def profile_batch(
         top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]
         row["kernels"] = {name: round(us, 1) for name, us in top}
         row["classes"] = class_times(kernels)
+        if rates is not None and planned:
+            # (the floors of the steps the trace kept: the last ones)
+            shape = ModelShape.from_hf_config(core.config.model.hf_config)
+            dtype_bytes = DTYPE_BYTES[str(core.config.model.dtype).removeprefix("torch.")]
+            floors = dict.fromkeys(KERNEL_CLASSES, 0.0)
+            for rows, sampled in planned[-kept:]:
+                for cls, sec in class_floors(shape, dtype_bytes, rows, sampled, rates).items():
+                    floors[cls] += sec * 1e6 / len(planned[-kept:])
+            row["floors"] = {cls: round(us, 1) for cls, us in floors.items()}
         row["device"] = device_gaps(events)
         row["replay"] = _time_replay(runner, batch)
     unwrap_apply()
@@ -304,16 +337,10 @@ def profile_batch(
     row["input_len"] = input_len
     row["mixed"] = mixed
     row["mixed_steps"] = mixed_steps  # (of the first, untraced pass)
+    row["tokens_per_step"] = sum(q for rows, _ in first_pass for q, _ in rows) / max(
+        len(first_pass), 1
+    )
     row["graphs"] = runner.graphs is not None
-    if rates is not None:
-        # (the step at the middle of the timed ones: each decode over its prompt, the
-        # warm steps and half the timed ones; a mixed step's new prompt besides)
-        keys = input_len + 3 + steps // 2 + 1
-        rows = [(1, keys)] * batch + ([(mixed, mixed)] if mixed else [])
-        shape = ModelShape.from_hf_config(core.config.model.hf_config)
-        dtype_bytes = DTYPE_BYTES[str(core.config.model.dtype).removeprefix("torch.")]
-        floors = class_floors(shape, dtype_bytes, rows, len(rows), rates)
-        row["floors"] = {cls: round(sec * 1e6, 1) for cls, sec in floors.items()}
     return row
 
 
