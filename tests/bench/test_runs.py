@@ -124,8 +124,8 @@ def test_step_profile_of_mixed_steps_at_two_context_lengths(capsys, engine_flags
     assert [(r["batch"], r["input_len"], r["mixed"]) for r in rows] == [(2, 8, 20), (2, 24, 20)]
     for r in rows:
         assert r["mixed_steps"] == 3  # (a prefill beside the decodes in every timed step)
-        # each step: the 20-token prompt, the 2 decodes, and the mixed requests before it
-        assert 20 + 2 + 3 <= r["tokens_per_step"] <= 20 + 2 + 3 + 3
+        # each step: the 20-token prompt and the 2 decodes (a mixed request ends at once)
+        assert r["tokens_per_step"] == 20 + 2
         assert r["step"] == pytest.approx(sum(r[s] for s in step_profile.STAGES) + r["other"])
         assert "classes" not in r and "floors" not in r  # (the CPU: no trace, no card)
 

@@ -230,10 +230,13 @@ def profile_batch(
     ):
         engine.step()  # prefills
 
+    # (a mixed step's new request ends with its first token: it never joins the decodes)
+    once = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
+
     def add_mixed() -> None:
         if mixed:
             prompt = [rng.randint(0, 4000) for _ in range(mixed)]
-            engine.add_request(engine.next_request_id(), {"prompt_token_ids": prompt}, params)
+            engine.add_request(engine.next_request_id(), {"prompt_token_ids": prompt}, once)
 
     for _ in range(3):
         add_mixed()
@@ -407,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from asyncllm import LLM
 
     kwargs = engine_kwargs(args)
-    kwargs.setdefault("max_num_seqs", max(args.batch) + (args.steps + 3 if args.mixed else 0))
+    kwargs.setdefault("max_num_seqs", max(args.batch) + (2 if args.mixed else 0))
     kwargs.setdefault("max_model_len", max(args.input_len + [args.mixed]) + args.steps + 64)
     t0 = time.perf_counter()
     llm = LLM(multiprocess=False, **kwargs)
