@@ -111,3 +111,17 @@ def test_grammar_threads_default_to_half_the_usable_cpus_up_to_4_and_refuse_junk
         monkeypatch.setenv("ASYNCLLM_GRAMMAR_THREADS", junk)
         with pytest.raises(ValueError, match="ASYNCLLM_GRAMMAR_THREADS"):
             envs.grammar_threads()
+
+
+def test_flashinfer_sampling_is_asked_for(monkeypatch):
+    """Off unless ASYNCLLM_FLASHINFER_SAMPLING=1 (its kernel compiles for minutes on first
+    use), and never without FlashInfer installed."""
+    import importlib.util
+
+    from asyncllm import envs
+
+    monkeypatch.delenv("ASYNCLLM_FLASHINFER_SAMPLING", raising=False)
+    assert envs.flashinfer_sampling_enabled() is False
+    monkeypatch.setenv("ASYNCLLM_FLASHINFER_SAMPLING", "1")
+    installed = importlib.util.find_spec("flashinfer") is not None
+    assert envs.flashinfer_sampling_enabled() is installed

@@ -21,6 +21,12 @@ pytestmark = [
     ),
 ]
 
+
+@pytest.fixture(autouse=True)
+def _flashinfer_sampling_on(monkeypatch):
+    monkeypatch.setenv("ASYNCLLM_FLASHINFER_SAMPLING", "1")
+
+
 V, N = 200, 100_000
 # The chi-square statistic's 99.9th percentile for df degrees of freedom is below
 # df + 3.1 * sqrt(2 df) + 10 for the df met here (a fixed-seed run: not flaky).

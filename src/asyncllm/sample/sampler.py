@@ -8,9 +8,9 @@ processors, top-k, top-p and a draw (greedy-only batches never call the invarian
 Random draws use the exponential-race trick (argmax of p / E with E ~ Exp(1)), taken in
 log space, argmax(logits / T - log E), so no softmax is computed; one row of noise per
 request: seeded requests draw theirs from their own generator, so their tokens do not
-depend on what else is in the batch. On CUDA with FlashInfer installed, a step with
-top-k or top-p draws its unseeded rows with FlashInfer's sorting-free kernel instead
-(`ASYNCLLM_FLASHINFER_SAMPLING=0` turns that off). A step with no greedy row computes no argmax of
+depend on what else is in the batch. With `ASYNCLLM_FLASHINFER_SAMPLING=1`, on CUDA with
+FlashInfer installed, a step with top-k or top-p draws its unseeded rows with
+FlashInfer's sorting-free kernel instead. A step with no greedy row computes no argmax of
 the raw logits.
 """
 
