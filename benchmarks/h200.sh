@@ -115,6 +115,7 @@ for s in "$@"; do
     sweep-decode) stage "$s" python3 benchmarks/kernels/sweep_decode.py ;;
     sweep-large-decode) stage "$s" python3 benchmarks/kernels/sweep_decode.py --large ;;
     sweep-skinny) stage "$s" python3 benchmarks/kernels/sweep_skinny_gemm.py ;;
+    sweep-prefill) stage "$s" python3 benchmarks/kernels/sweep_prefill.py ;;
     timeline-0.6b) stage "$s" python3 benchmarks/throughput_timeline.py "${Q06[@]}" "${SYNC[@]}" ;;
     timeline-8b) stage "$s" python3 benchmarks/throughput_timeline.py "${L8[@]}" "${SYNC[@]}" ;;
     profile-long-0.6b) stage "$s" python3 -m asyncllm.bench.step_profile "${Q06[@]}" "${SYNC[@]}" --batch 64 256 --input-len 768 ;;

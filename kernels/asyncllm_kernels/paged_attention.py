@@ -84,6 +84,8 @@ def _attend_tiles(
     USE_CAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
+    K_ROWS: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
 ):
     n = tl.arange(0, BLOCK_N)
     for j in range(tile_lo, tile_hi):
@@ -103,10 +105,18 @@ def _attend_tiles(
             else:
                 kt_mask = d_ok[:, None]
                 v_mask = d_ok[None, :]
-            kt = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=kt_mask, other=0.0)
+            if K_ROWS:  # (keys as rows, as V: transposed for the dot)
+                kt = tl.trans(
+                    tl.load(k_ptr + k_off[:, None] + d[None, :], mask=tl.trans(kt_mask), other=0.0)
+                )
+            else:
+                kt = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=kt_mask, other=0.0)
             v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=v_mask, other=0.0)
         else:
-            kt = tl.load(k_ptr + k_off[None, :] + d[:, None])
+            if K_ROWS:
+                kt = tl.trans(tl.load(k_ptr + k_off[:, None] + d[None, :]))
+            else:
+                kt = tl.load(k_ptr + k_off[None, :] + d[:, None])
             v = tl.load(v_ptr + v_off[:, None] + d[None, :])
         s = tl.dot(q, kt, input_precision=PRECISION)
         if USE_CAP:
@@ -121,12 +131,28 @@ def _attend_tiles(
                 visible = visible & (kpos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1) * s_scale)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-        alpha = tl.exp2(m - m_ref)
-        p = tl.exp2(s * s_scale - m_ref[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        if LAZY_RESCALE:
+            # Rescale only when some row's maximum grew past 2^8 of the one the sums are
+            # kept at (or a row saw its first key): until then p stays below 2^8 and the
+            # float32 sums hold it; acc and l_sum share the stale maximum.
+            grow = tl.where(m_new == m, 0.0, m_new - tl.maximum(m, -1e30))  # (no inf - inf)
+            if tl.max(grow, axis=0) > 8.0:
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m - m_ref)
+                l_sum = l_sum * alpha
+                acc = acc * alpha[:, None]
+                m = m_new
+            m_ref = tl.where(m == float("-inf"), 0.0, m)
+            p = tl.exp2(s * s_scale - m_ref[:, None])
+            l_sum = l_sum + tl.sum(p, axis=1)
+            acc = acc + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        else:
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+            alpha = tl.exp2(m - m_ref)
+            p = tl.exp2(s * s_scale - m_ref[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
     return acc, m, l_sum
 
 
@@ -170,6 +196,8 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
     SEQ_FILTER: tl.constexpr,
+    K_ROWS: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
 ):
     # Last tiles first: in a causal chunk they see the most keys (longest work first).
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -237,12 +265,14 @@ def _paged_attention_kernel(
         tile_lo, tl.minimum(tile_hi, num_full), qk_scale, soft_cap, window,
         stride_kb, stride_ks, stride_vb, stride_vs, d, d_ok,
         BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, False, USE_CAP, USE_WINDOW, PRECISION,
+        K_ROWS, LAZY_RESCALE,
     )  # fmt: skip
     acc, m, l_sum = _attend_tiles(
         acc, m, l_sum, q, q_pos, k_base, v_base, table, kv_begin, kv_end,
         tl.maximum(tile_lo, num_full), tile_hi, qk_scale, soft_cap, window,
         stride_kb, stride_ks, stride_vb, stride_vs, d, d_ok,
         BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, True, USE_CAP, USE_WINDOW, PRECISION,
+        K_ROWS, LAZY_RESCALE,
     )  # fmt: skip
 
     token = (q_start + tok).to(tl.int64)
@@ -319,6 +349,8 @@ class AttentionConfig:
     num_splits: int
     num_warps: int
     num_stages: int
+    k_rows: bool = False  # load key tiles as rows (transposed for the dot), not columns
+    lazy_rescale: bool = False  # rescale the running sums only when a maximum grew past 2^8
 
 
 @functools.cache
@@ -492,6 +524,8 @@ def _launch(
         USE_WINDOW=sliding_window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SEQ_FILTER=seq_filter,
+        K_ROWS=cfg.k_rows,
+        LAZY_RESCALE=cfg.lazy_rescale,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -111,3 +111,20 @@ def test_bad_arguments_are_refused():
         )  # fmt: skip
     with pytest.raises(ValueError, match="head"):
         paged_attention(args[0].transpose(1, 2), *args[1:], scale=0.1, max_query_len=1)
+
+
+@pytest.mark.parametrize("k_rows,lazy", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("q_scale", [1.0, 40.0])
+def test_the_kernel_variants(k_rows, lazy, q_scale):
+    """Key tiles loaded as rows, and the running sums rescaled only when a row's maximum
+    grew past 2^8 (at q x 40 the scores span hundreds, so rescales happen mid-row; at
+    x 1 they rarely do): a mixed batch with a window and a soft-cap, and decodes split."""
+    case = make_case(MIXED, 2, 2, 64, 16, torch.float32, DEVICE, seed=9)
+    case.q.mul_(q_scale)
+    for kw in ({}, {"sliding_window": 30}, {"soft_cap": 20.0}):
+        config = AttentionConfig(32, 16, 1, 4, 1, k_rows=k_rows, lazy_rescale=lazy)
+        _check(case, torch.float32, config=config, **kw)
+    decodes = make_case(DECODES, 2, 2, 64, 16, torch.float32, DEVICE, seed=10)
+    decodes.q.mul_(q_scale)
+    config = AttentionConfig(16, 16, 4, 4, 1, k_rows=k_rows, lazy_rescale=lazy)
+    _check(decodes, torch.float32, config=config)
