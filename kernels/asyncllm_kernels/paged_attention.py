@@ -418,6 +418,7 @@ def paged_attention(
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,
     config: AttentionConfig | None = None,
+    rows: str = "all",
 ) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; block_table: [S, max_blocks];
     seq_lens: [S] (context + chunk); query_start_loc: [S + 1]. Returns [T, Hq, D].
@@ -427,7 +428,11 @@ def paged_attention(
     picks the tile shape (1: the decode-only shape). A batch that mixes decodes with
     longer chunks (`has_decodes` and `max_query_len > 1`) gets two launches over the same
     metadata, each skipping the other's sequences, so decodes do not pay for prefill-sized
-    tiles. Float32 inputs use IEEE float32 dots."""
+    tiles. `rows`: "decodes" or "chunks" computes only the one-token sequences, or only
+    the longer ones (leaving the other rows of `out` as they were): for a backend that
+    gives the chunks to another kernel. Float32 inputs use IEEE float32 dots."""
+    if rows not in ("all", "decodes", "chunks"):
+        raise ValueError(f"rows must be 'all', 'decodes' or 'chunks', got {rows!r}")
     T, Hq, D = q.shape
     _, _, Hkv, _ = key_cache.shape
     if Hq % Hkv:
@@ -455,7 +460,11 @@ def paged_attention(
         return out
     args = (q, key_cache, value_cache, out, block_table, seq_lens, query_start_loc)
     opts = (scale, sliding_window, soft_cap)
-    if max_query_len <= 1 or config is not None or not has_decodes:
+    if rows != "all":
+        decodes = rows == "decodes"
+        cfg = config or choose_config(S, Hkv, group, D, decodes, q.device, q.dtype)
+        _launch(*args, *opts, cfg, seq_filter=1 if decodes else 2)
+    elif max_query_len <= 1 or config is not None or not has_decodes:
         decode_only = max_query_len <= 1
         cfg = config or choose_config(S, Hkv, group, D, decode_only, q.device, q.dtype)
         _launch(*args, *opts, cfg, seq_filter=0)

@@ -257,7 +257,8 @@ class EngineArgs:
     """Beyond this many waiting requests, new ones are refused (EngineOverloadedError)."""
     attention_backend: str | None = None
     """A registered attention backend (triton on CUDA, flashinfer on CUDA with the
-    flashinfer extra installed, torch_native anywhere; triton_mla and torch_mla for
+    flashinfer extra installed, flashinfer_prefill (Triton's decodes, FlashInfer's
+    prefill chunks) likewise, torch_native anywhere; triton_mla and torch_mla for
     latent-attention models; or one registered in registry.py); 'auto' or None: the
     first that supports the device, dtype, head size and model's features."""
     async_scheduling: bool = True

@@ -23,7 +23,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-BACKENDS = ["triton", "flashinfer"]
+BACKENDS = ["triton", "flashinfer", "flashinfer_prefill"]
 
 
 def _backend(name: str):

@@ -128,3 +128,23 @@ def test_the_kernel_variants(k_rows, lazy, q_scale):
     decodes.q.mul_(q_scale)
     config = AttentionConfig(16, 16, 4, 4, 1, k_rows=k_rows, lazy_rescale=lazy)
     _check(decodes, torch.float32, config=config)
+
+
+def test_decodes_and_chunks_by_themselves():
+    """rows="decodes" fills only the one-token sequences' rows, rows="chunks" only the
+    others'; together they are the whole batch's output."""
+    case = make_case(MIXED, 2, 2, 64, 16, torch.float32, DEVICE, seed=4)
+    args = dict(scale=0.125, max_query_len=case.max_query_len, has_decodes=True)
+    want = paged_attention_ref(*case.args(), scale=0.125)
+    qsl = case.query_start_loc.tolist()
+    one = [qsl[i] for i in range(len(qsl) - 1) if qsl[i + 1] - qsl[i] == 1]
+    longer = [t for t in range(case.num_tokens) if t not in one]
+    out = torch.full_like(case.q, 7.0)
+    paged_attention(*case.args(), **args, out=out, rows="decodes")
+    torch.testing.assert_close(out[one], want[one], atol=1e-4, rtol=1e-4)
+    assert (out[longer] == 7.0).all()
+    paged_attention(*case.args(), **args, out=out, rows="chunks")
+    n = case.num_tokens
+    torch.testing.assert_close(out[:n], want[:n], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="rows"):
+        paged_attention(*case.args(), **args, rows="prefills")

@@ -77,20 +77,23 @@ def tiny_folder(tmp_path_factory):
 @pytest.mark.skipif(
     importlib.util.find_spec("flashinfer") is not None, reason="flashinfer is installed"
 )
-def test_a_named_backend_whose_library_is_missing_fails_saying_how_to_install_it():
+@pytest.mark.parametrize("name", ["flashinfer", "flashinfer_prefill"])
+def test_a_named_backend_whose_library_is_missing_fails_saying_how_to_install_it(name):
     needs = AttentionNeeds(torch.device("cuda"), torch.bfloat16, 128, 16)
     with pytest.raises(
         ValueError,
-        match=r"attention_backend 'flashinfer' needs flashinfer, "
+        match=rf"attention_backend '{name}' needs flashinfer, "
         r"which is not installed \(pip install 'asyncllm\[flashinfer\]'\)",
     ):
-        find_attention_backend("flashinfer", needs)
+        find_attention_backend(name, needs)
     assert find_attention_backend("auto", needs).name == "triton"
 
 
 def test_the_built_in_backends_come_first_and_triton_stays_unimported():
     names = attention_backend_names()
-    assert names[:5] == ["triton", "triton_mla", "flashinfer", "torch_native", "torch_mla"]
+    assert names[:6] == [
+        "triton", "triton_mla", "flashinfer", "flashinfer_prefill", "torch_native", "torch_mla",
+    ]  # fmt: skip
     triton = find_attention_backend("triton", AttentionNeeds(torch.device("cuda")))
     assert triton.cudagraph_support is AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     assert triton.kv_cache_layout is KVCacheLayout.KV_BLOCKS_TOKENS_HEADS

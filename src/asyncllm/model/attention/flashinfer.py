@@ -69,15 +69,29 @@ class PagedBatch:
         row is well defined; its output is unused."""
         if common.block_table_cpu is None:
             raise ValueError("the flashinfer backend needs the block table on the host")
-        seq_lens = np.maximum(common.seq_lens_cpu.astype(np.int64), 1)
+        return cls.from_arrays(
+            common.query_start_loc_cpu, common.seq_lens_cpu, common.block_table_cpu, block_size
+        )
+
+    @classmethod
+    def from_arrays(
+        cls,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        block_table: np.ndarray,
+        block_size: int,
+    ) -> PagedBatch:
+        """`of`, from the host arrays themselves (or a subset of a batch's sequences, its
+        query offsets starting at 0)."""
+        seq_lens = np.maximum(seq_lens.astype(np.int64), 1)
         pages = -(-seq_lens // block_size)
-        table = common.block_table_cpu[:, : int(pages.max(initial=0))]
+        table = block_table[:, : int(pages.max(initial=0))]
         in_use = np.arange(table.shape[1])[None, :] < pages[:, None]
         kv_indptr = np.zeros(len(pages) + 1, dtype=np.int32)
         np.cumsum(pages, out=kv_indptr[1:])
         last = seq_lens - (pages - 1) * block_size
         return cls(
-            qo_indptr=torch.from_numpy(common.query_start_loc_cpu.astype(np.int32)),
+            qo_indptr=torch.from_numpy(query_start_loc.astype(np.int32)),
             kv_indptr=torch.from_numpy(kv_indptr),
             kv_indices=torch.from_numpy(np.ascontiguousarray(table[in_use], dtype=np.int32)),
             last_page_len=torch.from_numpy(last.astype(np.int32)),
@@ -179,10 +193,11 @@ class FlashInferBackend(AttentionBackend):
         captured = self._graph_keys.get((md.group, S)) if decode and md.for_cuda_graph else None
         if captured is not None:
             # A replay runs no Python: plan now, into the buffers its capture read.
-            self._plan(md, captured, common.seq_lens.device)
+            self.plan(md, captured, common.seq_lens.device)
         return md
 
-    def _plan(self, md: FlashInferMetadata, key: PlanKey, device: torch.device) -> None:
+    def plan(self, md: FlashInferMetadata, key: PlanKey, device: torch.device) -> None:
+        """Plans `md` (on its wrapper) for layers of `key`; once per step and KV group."""
         heads, kv_heads, head_size, scale, window, cap, q_dtype, kv_dtype = key
         md.wrapper = self._wrapper(md, key, device)
         b = md.batch
@@ -202,6 +217,27 @@ class FlashInferBackend(AttentionBackend):
         if md.decode and md.for_cuda_graph:
             self._graph_keys[(md.group, len(b.last_page_len))] = key
 
+    def planned_wrapper(
+        self,
+        md: FlashInferMetadata,
+        spec: AttentionLayerSpec,
+        q: torch.Tensor,
+        kv_dtype: torch.dtype,
+    ) -> Any:
+        """The wrapper `md` runs on, planned by the first layer of its group to run (outside
+        any graph capture: a capture's metadata was planned by the eager forward before
+        it); a later layer of the group must share that plan."""
+        key = plan_key(spec, q.dtype, kv_dtype)
+        if md.planned is None:
+            self.plan(md, key, q.device)
+        elif md.planned != key:
+            raise ValueError(
+                "the flashinfer backend plans once per KV cache group, and the layers of "
+                f"one group differ (heads, head size, scale, window, soft-cap): {md.planned} "
+                f"and {key}"
+            )
+        return md.wrapper
+
     def forward(
         self,
         spec: AttentionLayerSpec,
@@ -213,19 +249,9 @@ class FlashInferBackend(AttentionBackend):
     ) -> torch.Tensor:
         md = metadata
         key_cache, value_cache = write_kv_cache(k, v, kv_cache, md.slot_mapping)
-        key = plan_key(spec, q.dtype, key_cache.dtype)
-        if md.planned is None:
-            # (the first layer of the group; outside any graph capture: a capture's
-            # metadata was planned by the eager forward before it)
-            self._plan(md, key, q.device)
-        elif md.planned != key:
-            raise ValueError(
-                "the flashinfer backend plans once per KV cache group, and the layers of "
-                f"one group differ (heads, head size, scale, window, soft-cap): {md.planned} "
-                f"and {key}"
-            )
+        wrapper = self.planned_wrapper(md, spec, q, key_cache.dtype)
         tokens = md.num_tokens if md.decode else int(md.batch.qo_indptr[-1])
-        out = md.wrapper.run(q[:tokens], (key_cache, value_cache))
+        out = wrapper.run(q[:tokens], (key_cache, value_cache))
         if tokens == q.shape[0]:
             return out
         full = torch.zeros_like(q)

@@ -280,6 +280,19 @@ register_attention_backend(
 )
 register_attention_backend(
     AttentionBackendEntry(
+        name="flashinfer_prefill",
+        class_path="asyncllm.model.attention.flashinfer_prefill:FlashInferPrefillBackend",
+        device_types=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        head_sizes=frozenset({64, 128, 256}),
+        features=_ALL_FEATURES_BUT_LATENT,
+        # (decodes and their graphs are the Triton kernel's: nothing planned per replay)
+        cudagraph_support=AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
+        requires=("flashinfer", "flashinfer"),
+    )
+)
+register_attention_backend(
+    AttentionBackendEntry(
         name="torch_native",
         class_path="asyncllm.model.attention.torch_native:TorchNativeBackend",
         device_types=None,
