@@ -65,6 +65,8 @@ for s in "$@"; do
     SYNC=()  # a stage name ending in -fi runs on the flashinfer attention backend,
     t=$s
     case $t in *-fi) SYNC+=(--attention-backend flashinfer); t=${t%-fi} ;; esac
+    # one ending in -fip on Triton's decodes and FlashInfer's prefill chunks,
+    case $t in *-fip) SYNC+=(--attention-backend flashinfer_prefill); t=${t%-fip} ;; esac
     # one ending in -ub2 in two micro-batches per eager step,
     case $t in *-ub2) SYNC+=(--ubatch 2); t=${t%-ub2} ;; esac
     # one ending in -sync without async scheduling,
