@@ -127,6 +127,24 @@ def test_a_registered_backend_is_chosen_by_name_and_runs_engine_steps(tiny_folde
         core.shutdown()
 
 
+class SharedPlanBackend(TorchNativeBackend):
+    """As a backend whose step plan is one shared object (FlashInfer's wrappers)."""
+
+    name = "shared_plan"
+    streams_safe = False
+
+
+def test_micro_batches_are_refused_where_the_backend_shares_its_plan(tiny_folder):
+    register_attention_backend(_entry("shared_plan", class_path=f"{__name__}:SharedPlanBackend"))
+    try:
+        with pytest.raises(ValueError, match=r"ubatch=2 needs an attention backend .* shared_plan"):
+            tiny_engine_core(tiny_folder, attention_backend="shared_plan", ubatch=2)
+        core = tiny_engine_core(tiny_folder, attention_backend="shared_plan")  # (off: fine)
+        core.shutdown()
+    finally:
+        unregister_attention_backend("shared_plan")
+
+
 def test_auto_logs_its_choice(caplog):
     with caplog.at_level(logging.INFO, logger="asyncllm"):
         backend = select_attention_backend(CPU, "auto")

@@ -29,6 +29,7 @@ def test_which_steps_are_split():
     parts = MicroBatches(2, "LlamaForCausalLM", 64, np_device := _cpu())
     assert parts.plan(np.array([0, 7])) is None  # one request
     assert parts.plan(np.array([0, 7, 9])) == [(0, 1), (1, 2)]
+    assert parts.plan(np.array([0, 1, 2, 3])) is None  # one-token decodes: never split
     off = MicroBatches("auto", "LlamaForCausalLM", 64, np_device)
     assert off.plan(np.array([0, 4000, 8000])) is None  # (no measurement says it pays)
 
@@ -50,6 +51,12 @@ def test_a_part_that_reads_what_an_earlier_part_writes_is_not_split_off():
     # the same, with request 1's context in blocks 3 and 4 (cached before this step)
     tables = np.array([[[0, 1, 0], [3, 4, 2]]])
     assert parts_independent([(0, 1), (1, 2)], qsl, seq_lens, tables, slots, 4)
+    # the other way round: request 0 (2 new tokens, 6 keys) reads block 0, which request
+    # 1 (the later part) writes in this step
+    qsl, seq_lens = np.array([0, 2, 6]), np.array([6, 4])
+    tables = np.array([[[0, 5, 0], [0, 0, 0]]])
+    slots = np.array([[22, 23, 0, 1, 2, 3]])
+    assert not parts_independent([(0, 1), (1, 2)], qsl, seq_lens, tables, slots, 4)
 
 
 @pytest.mark.parametrize("value", ["fast", 1, 0, 2.5, True])

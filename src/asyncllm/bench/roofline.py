@@ -349,11 +349,15 @@ def step_cost(
         if windowed:
             attention += per_layer * windowed * _visible_pairs(q, keys, window)
             kv_bytes += layer_kv * windowed * (min(keys, window + q - 1) + q)
-        if shape.kv_lora_rank and q > 1:  # (keys and values up-projected per chunk)
+        if shape.kv_lora_rank and q > 1:
+            # (a chunk up-projects its context's keys and values; its new tokens' are in
+            # token_parameters)
             per_key = shape.kv_lora_rank * shape.heads * (shape.qk_nope_head_dim + shape.v_head_dim)
-            gemm += 2.0 * keys * shape.layers * per_key
-    weights = shape.streamed_parameters(tokens) * dtype_bytes if tokens else 0
-    return StepCost(gemm, float(weights), attention, kv_bytes)
+            gemm += 2.0 * (keys - q) * shape.layers * per_key
+    weights = shape.streamed_parameters(tokens) if tokens else 0
+    if tokens and not sampled:  # (no row samples: the LM head is not read)
+        weights -= shape.vocab * shape.hidden
+    return StepCost(gemm, float(weights * dtype_bytes), attention, kv_bytes)
 
 
 def workload_floor(

@@ -132,6 +132,12 @@ class ModelRunner:
             self.device,
         )
         # Micro-batches of eager steps (EngineArgs.ubatch; None: off)
+        if config.ubatch != "off" and not self.backend.streams_safe:
+            raise ValueError(
+                f"ubatch={config.ubatch!r} needs an attention backend whose step can run on "
+                f"several CUDA streams at once; {self.attention.name} plans each step into "
+                "one shared wrapper and workspace (use ubatch='off', or attention_backend='triton')"
+            )
         self.ubatches = (
             MicroBatches(
                 config.ubatch,

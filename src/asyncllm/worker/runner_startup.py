@@ -60,10 +60,31 @@ class RunnerStartup:
         chunk = hidden[: min(PROMPT_LOGPROB_CHUNK, T)]
         lp = model.compute_logits(chunk).float().log_softmax(-1)
         gather_logprobs(lp, torch.zeros(len(chunk), dtype=torch.int64, device=r.device), 20)
-        del lp, hidden, scratch
+        del lp, hidden
+        self._profile_micro_batches(T, scratch)
+        del scratch
         if r.capture_sizes and r.device.type == "cuda" and r.graph_logits is None:
             shape = (r.capture_sizes[-1], r.vocab_size)
             r.graph_logits = torch.empty(shape, dtype=torch.float32, device=r.device)
+
+    def _profile_micro_batches(self, T: int, scratch: list[torch.Tensor]) -> None:
+        """With micro-batches on, the same T tokens as that many requests split into
+        parts, each part's forward on its own stream (whose allocations do not reuse
+        the others'): their peak counts too."""
+        r = self.runner
+        parts = r.ubatches.parts if r.ubatches is not None else 0
+        if parts < 2 or T < parts or r.max_model_len * parts < T:
+            return
+        lens = [T // parts + (i < T % parts) for i in range(parts)]
+        buf = r.buffers
+        buf.query_start_loc.np[0] = 0
+        np.cumsum(lens, out=buf.query_start_loc.np[1 : parts + 1])
+        buf.seq_lens.np[:parts] = lens
+        buf.block_table.np[:, :parts] = 0
+        buf.positions.np[:T] = np.concatenate([np.arange(n) for n in lens])
+        buf.slot_mapping.np[:, :T] = -1
+        buf.copy_to_device(parts)
+        r.forward(T, parts, scratch, inert=True, split=True)
 
     def _worst_case_metadata(self, B: int) -> SamplingMetadata:
         dev, V = self.runner.device, self.runner.vocab_size

@@ -4,8 +4,13 @@ A step with large prefill chunks is compute-bound; split in two, one part's GEMM
 run while the other's attention does (NanoFlow's idea), each part's layers queued on a
 CUDA stream of its own. A part is a run of whole requests (its tokens, positions, block
 tables and KV slots are a slice of the step buffers); the parts' hidden states are put
-back together in batch order, so the logits and sampling do not change. A decode graph
-is never split (a decode step is memory-bound: split, it would read the weights twice).
+back together in batch order, so the logits and sampling do not change. A step of
+one-token decodes is never split, graphed or not (memory-bound: split, it would read
+the weights twice), nor one where a part reads KV blocks another part writes in that
+step (`parts_independent`). A backend whose step plan is one shared object (FlashInfer's
+wrappers: `AttentionBackend.streams_safe` False) refuses micro-batches at start-up.
+The memory profile runs one split step (its parts' allocations come from separate
+stream pools).
 
 `EngineArgs.ubatch`: N splits every eager step of at least N requests into N parts;
 "auto" only where `AUTO_MIN_TOKENS` holds a measured size from which two parts pay for
@@ -57,8 +62,9 @@ class MicroBatches:
     def plan(self, query_start_loc: np.ndarray) -> list[tuple[int, int]] | None:
         """The step's parts, or None to run it whole."""
         S = len(query_start_loc) - 1
-        if not self.parts or S < self.parts or int(query_start_loc[-1]) < self.min_tokens:
-            return None
+        T = int(query_start_loc[-1])
+        if not self.parts or S < self.parts or T < self.min_tokens or T == S:
+            return None  # (T == S: one-token decodes, memory-bound: never split)
         return split_requests(query_start_loc, self.parts)
 
     def run(
@@ -89,18 +95,23 @@ def parts_independent(
     slot_mapping: np.ndarray,
     block_size: int,
 ) -> bool:
-    """Whether no request reads, as its context, a KV block that a request of an earlier
+    """Whether no request reads, as its context, a KV block that a request of another
     part writes in this step (a prefix-cache hit on blocks computed in the same step):
-    such a part must wait for the other's cache writes layer by layer, which separate
-    streams do not. `block_tables`: [groups, S, blocks]; `slot_mapping`: [groups, T]."""
-    for (_, b), (_, end) in zip(parts, parts[1:]):
-        written_until = int(query_start_loc[b])
-        for g in range(block_tables.shape[0]):
-            slots = slot_mapping[g, :written_until]
-            written = set((slots[slots >= 0] // block_size).tolist())
-            for s in range(b, end):
-                context = int(seq_lens[s]) - int(query_start_loc[s + 1] - query_start_loc[s])
-                read = block_tables[g, s, : -(-context // block_size)]
-                if written.intersection(read.tolist()):
-                    return False
+    parts on separate streams would race on it, so such a step runs whole.
+    `block_tables`: [groups, S, blocks]; `slot_mapping`: [groups, T]."""
+    S = parts[-1][1] if parts else 0
+    part_of_seq = np.zeros(S, dtype=np.int64)
+    for i, (a, b) in enumerate(parts):
+        part_of_seq[a:b] = i
+    part_of_token = np.repeat(part_of_seq, np.diff(query_start_loc[: S + 1]))
+    context = seq_lens[:S].astype(np.int64) - np.diff(query_start_loc[: S + 1])
+    for g in range(block_tables.shape[0]):
+        slots = slot_mapping[g, : len(part_of_token)]
+        written = slots >= 0
+        blocks, writers = slots[written] // block_size, part_of_token[written]
+        for s in range(S):
+            read = block_tables[g, s, : -(-int(context[s]) // block_size)]
+            hit = np.isin(blocks, read)
+            if hit.any() and (writers[hit] != part_of_seq[s]).any():
+                return False
     return True

@@ -148,6 +148,9 @@ class AttentionBackend(ABC):
     # Whether its metadata is planned on the host into buffers a decode graph reads
     # (FlashInfer's plan): the runner then builds the metadata before every replay.
     plans_on_host: bool = False
+    # Whether two parts of a step may run its forward on separate CUDA streams at once
+    # (micro-batches): not where the step's plan or workspace is one shared object.
+    streams_safe: bool = True
 
     @staticmethod
     def kv_cache_shape(

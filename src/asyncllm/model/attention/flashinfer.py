@@ -115,6 +115,7 @@ class FlashInferMetadata:
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     plans_on_host = True
+    streams_safe = False  # (one wrapper per group and one workspace, planned per step)
 
     def __init__(self) -> None:
         import flashinfer  # noqa: F401  (fails here, at start-up, if it is not installed)

@@ -54,6 +54,7 @@ class SplitMetadata:
 
 class FlashInferPrefillBackend(TritonAttentionBackend):
     name = "flashinfer_prefill"
+    streams_safe = False  # (FlashInfer's prefill wrapper and workspace are shared)
 
     def __init__(self) -> None:
         super().__init__()
