@@ -77,14 +77,16 @@ def test_qwen3_shaped_model(tmp_path, dtype, tol):
 @pytest.mark.skipif(
     importlib.util.find_spec("flashinfer") is None, reason="flashinfer is not installed"
 )
-def test_flashinfer_on_the_qwen3_shape_bfloat16(tmp_path):
+@pytest.mark.parametrize("name", ["flashinfer", "flashinfer_prefill"])
+def test_flashinfer_on_the_qwen3_shape_bfloat16(tmp_path, name):
     """FlashInfer's wrappers (prefill chunks after cached context, a mixed step, decodes;
-    head size 128, two query heads per KV head) on the same steps."""
+    head size 128, two query heads per KV head) on the same steps; or, as
+    flashinfer_prefill, its prefill beside Triton's decodes."""
     from asyncllm.model.attention.flashinfer import FlashInferBackend
+    from asyncllm.model.attention.flashinfer_prefill import FlashInferPrefillBackend
 
-    _compare(
-        _qwen3_shaped(tmp_path, "bfloat16"), QWEN3_06B["vocab_size"], 2e-2, FlashInferBackend()
-    )
+    backend = FlashInferBackend() if name == "flashinfer" else FlashInferPrefillBackend()
+    _compare(_qwen3_shaped(tmp_path, "bfloat16"), QWEN3_06B["vocab_size"], 2e-2, backend)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
