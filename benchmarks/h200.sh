@@ -35,6 +35,11 @@ fi
 if [ -f .fi/site.tar.xz ] && [ ! -d "$SITE/flashinfer" ]; then
     mkdir -p "$SITE" && tar -C "$SITE" -xJf .fi/site.tar.xz
 fi
+# FlashAttention 4 (the flash-attn extra) from benchmarks/flash_attn_site.sh's pieces,
+# .fa/site.part.00 and .01, sent by two calls to one warm machine (71 MB in all)
+if [ -f .fa/site.part.00 ] && [ -f .fa/site.part.01 ] && [ ! -d "$SITE/flash_attn" ]; then
+    mkdir -p "$SITE" && cat .fa/site.part.* | tar -C "$SITE" -xJf -
+fi
 export FLASHINFER_WORKSPACE_BASE=/tmp/fi-base
 if compgen -G ".fi/jit.part.*" > /dev/null && [ ! -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
     mkdir -p "$FLASHINFER_WORKSPACE_BASE" && cat .fi/jit.part.* | tar -C "$FLASHINFER_WORKSPACE_BASE" -xJf -
@@ -65,6 +70,8 @@ for s in "$@"; do
     SYNC=()  # a stage name ending in -fi runs on the flashinfer attention backend,
     t=$s
     case $t in *-fi) SYNC+=(--attention-backend flashinfer); t=${t%-fi} ;; esac
+    # one ending in -fa on FlashAttention 4,
+    case $t in *-fa) SYNC+=(--attention-backend flash_attn); t=${t%-fa} ;; esac
     # one ending in -fip on Triton's decodes and FlashInfer's prefill chunks,
     case $t in *-fip) SYNC+=(--attention-backend flashinfer_prefill); t=${t%-fip} ;; esac
     # one ending in -ub2 in two micro-batches per eager step,

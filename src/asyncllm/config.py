@@ -258,7 +258,8 @@ class EngineArgs:
     attention_backend: str | None = None
     """A registered attention backend (triton on CUDA, flashinfer on CUDA with the
     flashinfer extra installed, flashinfer_prefill (Triton's decodes, FlashInfer's
-    prefill chunks) likewise, torch_native anywhere; triton_mla and torch_mla for
+    prefill chunks) likewise, flash_attn on CUDA with the flash-attn extra (FlashAttention
+    4), torch_native anywhere; triton_mla and torch_mla for
     latent-attention models; or one registered in registry.py); 'auto' or None: the
     first that supports the device, dtype, head size and model's features."""
     async_scheduling: bool = True

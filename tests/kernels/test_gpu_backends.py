@@ -13,7 +13,11 @@ import pytest
 import torch
 
 from asyncllm.model.attention.backend import AttentionLayerSpec, CommonAttentionMetadata
-from asyncllm.model.attention.registry import AttentionNeeds, find_attention_backend
+from asyncllm.model.attention.registry import (
+    AttentionCGSupport,
+    AttentionNeeds,
+    find_attention_backend,
+)
 from asyncllm_kernels.reference import paged_attention_ref
 from tests.kernels.attention_cases import AttentionCase, make_case
 from tests.kernels.test_gpu_attention import _draw, rel_err
@@ -23,17 +27,20 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-BACKENDS = ["triton", "flashinfer", "flashinfer_prefill"]
+BACKENDS = ["triton", "flashinfer", "flashinfer_prefill", "flash_attn"]
+
+
+def _entry(name: str):
+    try:
+        return find_attention_backend(name, AttentionNeeds(torch.device("cuda")))
+    except ValueError as e:
+        if "not installed" in str(e):  # (an optional extra: flashinfer, flash-attn)
+            pytest.skip(f"the {name} backend's library is not installed here: {e}")
+        raise
 
 
 def _backend(name: str):
-    try:
-        entry = find_attention_backend(name, AttentionNeeds(torch.device("cuda")))
-    except ValueError as e:
-        if "not installed" in str(e):  # (an optional extra: flashinfer)
-            pytest.skip(f"the {name} backend's library is not installed here: {e}")
-        raise
-    return entry.load()
+    return _entry(name).load()
 
 
 def _common(case: AttentionCase, block_size: int, for_cuda_graph: bool = False):
@@ -103,7 +110,10 @@ def test_decode_graph_replays_new_lengths_and_tables(name, group):
     """A decode batch captured once; then new lengths, block tables, queries and caches
     are written into the same buffers and the metadata rebuilt (a backend that plans on
     the host plans again): each replay computes the new batch."""
-    backend = _backend(name)
+    entry = _entry(name)
+    if entry.cudagraph_support is AttentionCGSupport.NEVER:
+        pytest.skip(f"the {name} backend declares no CUDA graphs")
+    backend = entry.load()
     size, block_size, width = 8, 16, 200
     spec = AttentionLayerSpec(num_heads=2 * group, num_kv_heads=2, head_size=128, scale=128**-0.5)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 import subprocess
 import sys
 import time
@@ -74,16 +75,26 @@ def tiny_folder(tmp_path_factory):
     return folder
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("flashinfer") is not None, reason="flashinfer is installed"
+@pytest.mark.parametrize(
+    "name,library,extra",
+    [
+        ("flashinfer", "flashinfer", "flashinfer"),
+        ("flashinfer_prefill", "flashinfer", "flashinfer"),
+        ("flash_attn", "flash_attn.cute", "flash-attn"),
+    ],
 )
-@pytest.mark.parametrize("name", ["flashinfer", "flashinfer_prefill"])
-def test_a_named_backend_whose_library_is_missing_fails_saying_how_to_install_it(name):
+def test_a_named_backend_whose_library_is_missing_fails_saying_how_to_install_it(
+    name, library, extra
+):
+    if importlib.util.find_spec(library.split(".")[0]) is not None:
+        pytest.skip(f"{library} may be installed here")
     needs = AttentionNeeds(torch.device("cuda"), torch.bfloat16, 128, 16)
     with pytest.raises(
         ValueError,
-        match=rf"attention_backend '{name}' needs flashinfer, "
-        r"which is not installed \(pip install 'asyncllm\[flashinfer\]'\)",
+        match=re.escape(
+            f"attention_backend '{name}' needs {library}, "
+            f"which is not installed (pip install 'asyncllm[{extra}]')"
+        ),
     ):
         find_attention_backend(name, needs)
     assert find_attention_backend("auto", needs).name == "triton"
@@ -91,8 +102,9 @@ def test_a_named_backend_whose_library_is_missing_fails_saying_how_to_install_it
 
 def test_the_built_in_backends_come_first_and_triton_stays_unimported():
     names = attention_backend_names()
-    assert names[:6] == [
-        "triton", "triton_mla", "flashinfer", "flashinfer_prefill", "torch_native", "torch_mla",
+    assert names[:7] == [
+        "triton", "triton_mla", "flashinfer", "flashinfer_prefill", "flash_attn",
+        "torch_native", "torch_mla",
     ]  # fmt: skip
     triton = find_attention_backend("triton", AttentionNeeds(torch.device("cuda")))
     assert triton.cudagraph_support is AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE

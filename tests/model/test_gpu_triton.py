@@ -89,6 +89,19 @@ def test_flashinfer_on_the_qwen3_shape_bfloat16(tmp_path, name):
     _compare(_qwen3_shaped(tmp_path, "bfloat16"), QWEN3_06B["vocab_size"], 2e-2, backend)
 
 
+def test_flash_attention_on_the_qwen3_shape_bfloat16(tmp_path):
+    """FlashAttention 4's varlen paged forward (the flash-attn extra) on the same steps."""
+    try:
+        if importlib.util.find_spec("flash_attn.cute") is None:
+            pytest.skip("flash-attn-4 is not installed")
+    except ModuleNotFoundError:
+        pytest.skip("flash-attn-4 is not installed")
+    from asyncllm.model.attention.flash_attn import FlashAttentionBackend
+
+    backend = FlashAttentionBackend()
+    _compare(_qwen3_shaped(tmp_path, "bfloat16"), QWEN3_06B["vocab_size"], 2e-2, backend)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 2e-2)])
 def test_smollm2(dtype, tol):

@@ -57,7 +57,8 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         "attention_backend",
         str,
         "auto, triton (CUDA), flashinfer (CUDA, the flashinfer extra), flashinfer_prefill "
-        "(Triton decodes, FlashInfer prefill chunks), torch_native, "
+        "(Triton decodes, FlashInfer prefill chunks), flash_attn (the flash-attn extra), "
+        "torch_native, "
         "triton_mla / torch_mla (latent attention), or a registered name",
     ),
     ("--ubatch", "ubatch", str, "micro-batches of eager steps: off, auto or N (2 or more)"),

@@ -121,7 +121,12 @@ class AttentionBackendEntry:
     requires: tuple[str, str] | None = None
 
     def installed(self) -> bool:
-        return self.requires is None or importlib.util.find_spec(self.requires[0]) is not None
+        if self.requires is None:
+            return True
+        try:  # (a dotted name imports its parents: one missing is "not installed")
+            return importlib.util.find_spec(self.requires[0]) is not None
+        except ModuleNotFoundError:
+            return False
 
     @property
     def latent_only(self) -> bool:
@@ -289,6 +294,19 @@ register_attention_backend(
         # (decodes and their graphs are the Triton kernel's: nothing planned per replay)
         cudagraph_support=AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
         requires=("flashinfer", "flashinfer"),
+    )
+)
+register_attention_backend(
+    AttentionBackendEntry(
+        name="flash_attn",
+        class_path="asyncllm.model.attention.flash_attn:FlashAttentionBackend",
+        device_types=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        head_sizes=frozenset({64, 128, 256}),
+        features=_ALL_FEATURES_BUT_LATENT,
+        # (not captured yet: its first calls compile, and graphs are unmeasured with it)
+        cudagraph_support=AttentionCGSupport.NEVER,
+        requires=("flash_attn.cute", "flash-attn"),
     )
 )
 register_attention_backend(
