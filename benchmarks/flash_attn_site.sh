@@ -8,19 +8,13 @@
 # and unpacks them into its site folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source benchmarks/cp312_wheels.sh
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-platforms=()
-for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
-    platforms+=(--platform "$p")
-done
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp "${platforms[@]}" -d "$tmp/w" flash-attn-4==4.0.0b36 \
-    nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
-    nvidia-cutlass-dsl-libs-cu13==4.8.1 "apache-tvm-ffi<0.2,>=0.1.11" torch-c-dlpack-ext \
-    quack-kernels==0.6.5 einops typing_extensions
-mkdir -p "$tmp/site"
-for w in "$tmp"/w/*.whl; do unzip -q -o "$w" -d "$tmp/site"; done
-rm -rf .fa && mkdir -p .fa
+cp312_wheels "$tmp" flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 \
+    nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 \
+    "apache-tvm-ffi<0.2,>=0.1.11" torch-c-dlpack-ext quack-kernels==0.6.5 einops \
+    typing_extensions
+mkdir -p .fa && rm -f .fa/site.part.*
 tar -C "$tmp/site" -cf - . | xz -T0 -6 | split -b 60000000 -d - .fa/site.part.
 ls -la .fa

@@ -6,18 +6,11 @@
 # (~20 MB; git-ignored). benchmarks/h200.sh unpacks it into its site folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source benchmarks/cp312_wheels.sh
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-platforms=()
-for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
-    platforms+=(--platform "$p")
-done
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp "${platforms[@]}" -d "$tmp/w" flashinfer-python==0.7.2.post1 \
-    "apache-tvm-ffi<0.2,>=0.1.11" einops ninja click tabulate nvidia-ml-py cuda-python \
-    cuda-pathfinder cuda-bindings
-mkdir -p "$tmp/site"
-for w in "$tmp"/w/*.whl; do unzip -q -o "$w" -d "$tmp/site"; done
+cp312_wheels "$tmp" flashinfer-python==0.7.2.post1 "apache-tvm-ffi<0.2,>=0.1.11" einops \
+    ninja click tabulate nvidia-ml-py cuda-python cuda-pathfinder cuda-bindings
 cd "$tmp/site/flashinfer"
 rm -rf data/cutlass/examples data/cutlass/python moe_ep/kernel_src
 for d in cake_dsv4 cake_sampling kda fused_moe cake_fmha gdn experimental blackwell_bf16_fp4 \

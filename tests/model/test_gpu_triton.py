@@ -13,6 +13,7 @@ import torch
 
 from asyncllm.config import EngineArgs
 from asyncllm.engine.core_config import create_model_config
+from asyncllm.model.attention.registry import library_installed
 from asyncllm.model.attention.torch_native import TorchNativeBackend
 from asyncllm.model.loader import load_model
 from tests.model.helpers import run_steps_with_backend
@@ -89,13 +90,12 @@ def test_flashinfer_on_the_qwen3_shape_bfloat16(tmp_path, name):
     _compare(_qwen3_shaped(tmp_path, "bfloat16"), QWEN3_06B["vocab_size"], 2e-2, backend)
 
 
+@pytest.mark.skipif(
+    not library_installed("flash_attn.cute"),
+    reason="flash-attn-4 (the flash-attn extra) is not installed",
+)
 def test_flash_attention_on_the_qwen3_shape_bfloat16(tmp_path):
     """FlashAttention 4's varlen paged forward (the flash-attn extra) on the same steps."""
-    try:
-        if importlib.util.find_spec("flash_attn.cute") is None:
-            pytest.skip("flash-attn-4 is not installed")
-    except ModuleNotFoundError:
-        pytest.skip("flash-attn-4 is not installed")
     from asyncllm.model.attention.flash_attn import FlashAttentionBackend
 
     backend = FlashAttentionBackend()

@@ -15,8 +15,6 @@ engine on this backend runs every step eagerly. Its kernels compile on first use
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from asyncllm.model.attention.backend import (
@@ -24,17 +22,11 @@ from asyncllm.model.attention.backend import (
     AttentionLayerSpec,
     CommonAttentionMetadata,
 )
-from asyncllm.model.attention.triton_attn import write_kv_cache
-
-
-@dataclass
-class FlashAttentionMetadata:
-    query_start_loc: torch.Tensor  # [S + 1] int32
-    seq_lens: torch.Tensor  # [S] int32
-    block_table: torch.Tensor  # [S, max_blocks] int32
-    slot_mapping: torch.Tensor  # [T] int64, negative: not written
-    max_query_len: int
-    num_tokens: int  # tokens with a query (the rest of q, if any, is padding)
+from asyncllm.model.attention.triton_attn import (
+    TritonAttentionMetadata,
+    paged_metadata,
+    write_kv_cache,
+)
 
 
 class FlashAttentionBackend(AttentionBackend):
@@ -47,15 +39,8 @@ class FlashAttentionBackend(AttentionBackend):
 
     def build_metadata(
         self, common: CommonAttentionMetadata, block_size: int
-    ) -> FlashAttentionMetadata:
-        return FlashAttentionMetadata(
-            query_start_loc=common.query_start_loc.to(torch.int32),
-            seq_lens=common.seq_lens.to(torch.int32),
-            block_table=common.block_table.to(torch.int32).contiguous(),
-            slot_mapping=common.slot_mapping.to(torch.int64),
-            max_query_len=common.max_query_len,
-            num_tokens=common.num_actual_tokens,
-        )
+    ) -> TritonAttentionMetadata:
+        return paged_metadata(common)
 
     def forward(
         self,
@@ -64,7 +49,7 @@ class FlashAttentionBackend(AttentionBackend):
         k: torch.Tensor,
         v: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: FlashAttentionMetadata,
+        metadata: TritonAttentionMetadata,
     ) -> torch.Tensor:
         md = metadata
         key_cache, value_cache = write_kv_cache(k, v, kv_cache, md.slot_mapping)
@@ -77,7 +62,7 @@ class FlashAttentionBackend(AttentionBackend):
             cu_seqlens_q=md.query_start_loc,
             seqused_k=md.seq_lens,
             max_seqlen_q=max(md.max_query_len, 1),
-            page_table=md.block_table,
+            page_table=md.block_table.contiguous(),
             softmax_scale=spec.scale,
             causal=True,
             window_size=window,

@@ -102,6 +102,14 @@ def _uses_sliding_window(hf_config: Any) -> bool:
     return any(layer_sliding_window(hf_config, i) is not None for i in layers)
 
 
+def library_installed(module: str) -> bool:
+    """Whether `module` can be imported (a dotted name whose parent is missing: no)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 @dataclass(frozen=True)
 class AttentionBackendEntry:
     """One backend's declaration: `class_path` ("package.module:Class") is imported only
@@ -121,12 +129,7 @@ class AttentionBackendEntry:
     requires: tuple[str, str] | None = None
 
     def installed(self) -> bool:
-        if self.requires is None:
-            return True
-        try:  # (a dotted name imports its parents: one missing is "not installed")
-            return importlib.util.find_spec(self.requires[0]) is not None
-        except ModuleNotFoundError:
-            return False
+        return self.requires is None or library_installed(self.requires[0])
 
     @property
     def latent_only(self) -> bool:
@@ -270,43 +273,50 @@ register_attention_backend(
         cudagraph_support=AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
     )
 )
-register_attention_backend(
-    AttentionBackendEntry(
-        name="flashinfer",
-        class_path="asyncllm.model.attention.flashinfer:FlashInferBackend",
+
+
+def _library_backend(
+    name: str, class_path: str, graphs: AttentionCGSupport, requires: tuple[str, str]
+) -> AttentionBackendEntry:
+    """A backend of an optional library's CUDA kernels: 16-bit, head sizes 64/128/256,
+    windows and soft-caps."""
+    return AttentionBackendEntry(
+        name=name,
+        class_path=class_path,
         device_types=frozenset({"cuda"}),
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         head_sizes=frozenset({64, 128, 256}),
         features=_ALL_FEATURES_BUT_LATENT,
-        # (decode graphs have wrappers over fixed buffers, planned before each replay)
-        cudagraph_support=AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
-        requires=("flashinfer", "flashinfer"),
+        cudagraph_support=graphs,
+        requires=requires,
+    )
+
+
+# (decode graphs have wrappers over fixed buffers, planned before each replay)
+register_attention_backend(
+    _library_backend(
+        "flashinfer",
+        "asyncllm.model.attention.flashinfer:FlashInferBackend",
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
+        ("flashinfer", "flashinfer"),
     )
 )
+# (decodes and their graphs are the Triton kernel's: nothing planned per replay)
 register_attention_backend(
-    AttentionBackendEntry(
-        name="flashinfer_prefill",
-        class_path="asyncllm.model.attention.flashinfer_prefill:FlashInferPrefillBackend",
-        device_types=frozenset({"cuda"}),
-        dtypes=frozenset({torch.float16, torch.bfloat16}),
-        head_sizes=frozenset({64, 128, 256}),
-        features=_ALL_FEATURES_BUT_LATENT,
-        # (decodes and their graphs are the Triton kernel's: nothing planned per replay)
-        cudagraph_support=AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
-        requires=("flashinfer", "flashinfer"),
+    _library_backend(
+        "flashinfer_prefill",
+        "asyncllm.model.attention.flashinfer_prefill:FlashInferPrefillBackend",
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
+        ("flashinfer", "flashinfer"),
     )
 )
+# (not captured yet: its first calls compile, and graphs are unmeasured with it)
 register_attention_backend(
-    AttentionBackendEntry(
-        name="flash_attn",
-        class_path="asyncllm.model.attention.flash_attn:FlashAttentionBackend",
-        device_types=frozenset({"cuda"}),
-        dtypes=frozenset({torch.float16, torch.bfloat16}),
-        head_sizes=frozenset({64, 128, 256}),
-        features=_ALL_FEATURES_BUT_LATENT,
-        # (not captured yet: its first calls compile, and graphs are unmeasured with it)
-        cudagraph_support=AttentionCGSupport.NEVER,
-        requires=("flash_attn.cute", "flash-attn"),
+    _library_backend(
+        "flash_attn",
+        "asyncllm.model.attention.flash_attn:FlashAttentionBackend",
+        AttentionCGSupport.NEVER,
+        ("flash_attn.cute", "flash-attn"),
     )
 )
 register_attention_backend(

@@ -65,6 +65,21 @@ class TritonAttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, negative: not written
     max_query_len: int
     has_decodes: bool  # some chunk is one token (with longer ones: two launches)
+    num_tokens: int  # tokens with a query (any after them in q are padding)
+
+
+def paged_metadata(common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+    """The step's device tensors in the dtypes the paged kernels take (the Triton and
+    FlashAttention backends' metadata)."""
+    return TritonAttentionMetadata(
+        query_start_loc=common.query_start_loc.to(torch.int32),
+        seq_lens=common.seq_lens.to(torch.int32),
+        block_table=common.block_table.to(torch.int32),
+        slot_mapping=common.slot_mapping.to(torch.int64),
+        max_query_len=common.max_query_len,
+        has_decodes=bool((np.diff(common.query_start_loc_cpu) == 1).any()),
+        num_tokens=common.num_actual_tokens,
+    )
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -83,14 +98,7 @@ class TritonAttentionBackend(AttentionBackend):
     def build_metadata(
         self, common: CommonAttentionMetadata, block_size: int
     ) -> TritonAttentionMetadata:
-        return TritonAttentionMetadata(
-            query_start_loc=common.query_start_loc.to(torch.int32),
-            seq_lens=common.seq_lens.to(torch.int32),
-            block_table=common.block_table.to(torch.int32),
-            slot_mapping=common.slot_mapping.to(torch.int64),
-            max_query_len=common.max_query_len,
-            has_decodes=bool((np.diff(common.query_start_loc_cpu) == 1).any()),
-        )
+        return paged_metadata(common)
 
     def forward(
         self,
