@@ -113,26 +113,22 @@ def test_bad_arguments_are_refused():
         paged_attention(args[0].transpose(1, 2), *args[1:], scale=0.1, max_query_len=1)
 
 
-@pytest.mark.parametrize("q_scale", [1.0, 40.0])
-def test_the_kernel_variants(q_scale):
+def test_the_kernel_variants():
     """Key tiles loaded as rows, and the running sums rescaled only when a row's maximum
-    grew past 2^8 (at q x 40 the scores span hundreds, so rescales happen mid-row; at
-    x 1 they rarely do), both on (each is its own constexpr branch): a mixed batch with a
-    window and a soft-cap, a head size of 80, and decodes split."""
-    k_rows = lazy = True
+    grew past 2^8 (with q x 40 the scores span hundreds, so rescales happen mid-row),
+    both on (each is its own constexpr branch): a mixed batch with a window and a
+    soft-cap, a head size of 80 (masked head dims), and decodes split."""
+    config = AttentionConfig(32, 16, 1, 4, 1, k_rows=True, lazy_rescale=True)
     case = make_case(MIXED, 2, 2, 64, 16, torch.float32, DEVICE, seed=9)
-    case.q.mul_(q_scale)
-    for kw in ({}, {"sliding_window": 30}, {"soft_cap": 20.0}):
-        config = AttentionConfig(32, 16, 1, 4, 1, k_rows=k_rows, lazy_rescale=lazy)
-        _check(case, torch.float32, config=config, **kw)
-    if q_scale == 1.0:  # (a head size that is not a power of two: masked head dims)
-        odd = make_case(MIXED, 2, 2, 80, 16, torch.float32, DEVICE, seed=12)
-        config = AttentionConfig(32, 16, 1, 4, 1, k_rows=k_rows, lazy_rescale=lazy)
-        _check(odd, torch.float32, config=config)
+    odd = make_case(MIXED, 2, 2, 80, 16, torch.float32, DEVICE, seed=12)
     decodes = make_case(DECODES, 2, 2, 64, 16, torch.float32, DEVICE, seed=10)
-    decodes.q.mul_(q_scale)
-    config = AttentionConfig(16, 16, 4, 4, 1, k_rows=k_rows, lazy_rescale=lazy)
-    _check(decodes, torch.float32, config=config)
+    for c in (case, odd, decodes):
+        c.q.mul_(40.0)
+    for kw in ({}, {"sliding_window": 30}, {"soft_cap": 20.0}):
+        _check(case, torch.float32, config=config, **kw)
+    _check(odd, torch.float32, config=config)
+    split = AttentionConfig(16, 16, 4, 4, 1, k_rows=True, lazy_rescale=True)
+    _check(decodes, torch.float32, config=split)
 
 
 def test_decodes_and_chunks_by_themselves():

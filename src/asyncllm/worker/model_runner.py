@@ -478,10 +478,10 @@ class ModelRunner:
         a, b = seqs or (0, S)
         t0 = int(buf.query_start_loc.np[a])
         t1 = int(buf.query_start_loc.np[b]) if seqs else T
-        qsl = buf.query_start_loc.np[a : b + 1] - t0
+        qsl = buf.query_start_loc.np[a : b + 1]
         qsl_device = buf.query_start_loc.device[a : b + 1]
-        if t0:
-            qsl_device = qsl_device - t0
+        if t0:  # (a micro-batch after the first: its offsets from its own first token)
+            qsl, qsl_device = qsl - t0, qsl_device - t0
         seq_lens = buf.seq_lens.np[a:b]
         per_group = {}
         layer_groups = self.layer_groups
