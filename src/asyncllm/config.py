@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import json
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -103,6 +104,77 @@ class SchedulerConfig:
     # parallelism: a request is not scheduled while a token of it is being sampled, and
     # each step lists the tokens its requests compute (`CachedRequestData.new_token_ids`).
     runner_holds_samples: bool = True
+    speculative: SpeculativeConfig | None = None  # (EngineArgs.speculative_config)
+
+
+SPECULATIVE_METHODS = ("ngram", "ngram_gpu")  # (one method: prompt lookup)
+DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup (see core/ngram_proposer.py): up to
+    `num_speculative_tokens` drafts per step for a request admitted while fewer than
+    `disable_by_batch_size` requests were in the engine (decided once, for its life)."""
+
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    disable_by_batch_size: int = DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE
+
+
+def check_speculative_config(value: Any) -> dict[str, Any] | None:
+    """EngineArgs.speculative_config as vLLM takes it, checked and completed: a dict (or
+    its JSON, from the command line) with "method" ("ngram"; "ngram_gpu" is the same
+    method here), "num_speculative_tokens" (required), "prompt_lookup_min" and
+    "prompt_lookup_max" (either defaults to the other, both to 5), and asyncllm's
+    "disable_by_batch_size"; ValueError or TypeError naming the key otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config must be a dict or its JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise TypeError(f"speculative_config must be a dict, got {type(value).__name__}")
+    known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+             "disable_by_batch_size"}  # fmt: skip
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(
+            f"speculative_config: unsupported key(s) {unknown} (supported: {sorted(known)})"
+        )
+    method = value.get("method", "ngram")
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(
+            f"speculative_config['method'] must be one of {list(SPECULATIVE_METHODS)}, "
+            f"got {method!r} (draft models, EAGLE and MTP are not supported)"
+        )
+    if "num_speculative_tokens" not in value:
+        raise ValueError("speculative_config['num_speculative_tokens'] is required")
+    k = value["num_speculative_tokens"]
+    _check_int("speculative_config['num_speculative_tokens']", k, 1)
+    given_lo, given_hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+    if given_lo is None and given_hi is None:
+        given_lo = given_hi = 5
+    lo: Any = given_lo if given_lo is not None else given_hi
+    hi: Any = given_hi if given_hi is not None else given_lo
+    _check_int("speculative_config['prompt_lookup_min']", lo, 1)
+    _check_int("speculative_config['prompt_lookup_max']", hi, 1)
+    if lo > hi:
+        raise ValueError(
+            f"speculative_config: prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})"
+        )
+    limit = value.get("disable_by_batch_size", DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE)
+    _check_int("speculative_config['disable_by_batch_size']", limit, 1)
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": k,
+        "prompt_lookup_min": lo,
+        "prompt_lookup_max": hi,
+        "disable_by_batch_size": limit,
+    }
 
 
 @dataclass
@@ -251,6 +323,14 @@ class EngineArgs:
     where a CUDA world is larger than this machine's GPUs and Ray is installed."""
     logits_processors: list[str] | None = None
     """Logits processor classes (module:Class) applied to every request."""
+    speculative_config: dict[str, Any] | None = None
+    """Speculative decoding, as vLLM's: {"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_min": 2, "prompt_lookup_max": 5} drafts up to k tokens per step from
+    the request's own context (the longest recurring suffix) and verifies them in one
+    forward pass; the output is what the model would give without it. Requests admitted
+    while "disable_by_batch_size" (default 16) or more are in the engine do not
+    speculate. Not with pipeline parallelism, logits processors or structured outputs
+    yet (requests with a grammar do not speculate)."""
     max_logprobs: int = 20
     """The most logprobs (or prompt_logprobs) a request may ask for."""
     max_waiting_requests: int | None = None
@@ -321,6 +401,7 @@ class EngineArgs:
                 _check_int("cudagraph_capture_sizes[]", size, 1)
             self.cudagraph_capture_sizes = sorted(set(sizes))
         self.ubatch = check_ubatch(self.ubatch)
+        self.speculative_config = check_speculative_config(self.speculative_config)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1, optional=True)

@@ -22,7 +22,7 @@ from asyncllm.step_io import TokenLogprobs
 
 # --- frontend -> core ------------------------------------------------------------------
 
-WireValue = str | int | float | bool | list[str] | None
+WireValue = str | int | float | bool | list[str] | dict[str, int | str] | None
 
 
 class EngineStartup(msgspec.Struct, kw_only=True):
@@ -155,6 +155,11 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_chunked_prefill_steps: int = 0  # some prompt was only partly computed
     total_prefill_tokens: int = 0
     total_decode_tokens: int = 0
+    # speculative decoding: requests that verified drafts (one per request and step),
+    # the drafts they verified, and those the model agreed with
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
     cpu_threads: int = 0  # the core's torch threads now (in get_stats' answer only)
 
 

@@ -111,6 +111,10 @@ class SchedulerOutput:
     # bitmask's flag to reach `grammar_seq` itself; the runner queues it all at launch.
     grammar_seq: int = 0
     grammar_ahead_req_ids: list[str] = field(default_factory=list)
+    # Speculative decoding: request id -> the draft tokens it verifies this step (its
+    # scheduled tokens are its last token, then these); ModelRunnerOutput gives it the
+    # drafts the model agreed with, then one token of the model's own.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

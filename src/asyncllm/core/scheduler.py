@@ -36,6 +36,7 @@ from asyncllm.core.block_pool import KVCacheBlock
 from asyncllm.core.grammar_fill import GrammarFill
 from asyncllm.core.kv_cache_coordinator import KVCacheBlocks
 from asyncllm.core.kv_cache_manager import KVCacheManager, block_ids
+from asyncllm.core.ngram_proposer import NgramProposer
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.request_queue import create_request_queue
 from asyncllm.core.step_plan import Scheduled, StepPlan
@@ -122,6 +123,14 @@ class Scheduler:
         self._in_flight: dict[int, tuple[SchedulerOutput, list[Scheduled]]] = {}
         # Structured outputs: grammars compiling, bitmasks to fill, tokens for matchers.
         self.grammar = GrammarFill(structured, self.requests, self._fail_later)
+        spec = config.speculative
+        self.proposer = (
+            NgramProposer(
+                spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens
+            )
+            if spec is not None
+            else None
+        )
 
     # -- requests in and out -------------------------------------------------------
 
@@ -130,6 +139,13 @@ class Scheduler:
         of a finished one may be reused)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        spec = self.config.speculative
+        if spec is not None:
+            # (for its life: a seeded request's output must not depend on the load)
+            request.speculates = (
+                len(self.requests) < spec.disable_by_batch_size
+                and request.sampling_params.structured_outputs is None
+            )
         if request.sampling_params.structured_outputs is not None:
             self.grammar.add(request)  # queued once its grammar is ready
             self.requests[request.request_id] = request
@@ -232,6 +248,8 @@ class Scheduler:
             self.kv.free_blocks(blocks)
         self.requests.pop(req.request_id, None)
         self.finished_req_ids.add(req.request_id)
+        if req.speculates and self.proposer is not None:
+            self.proposer.forget(req.request_id)
 
     @property
     def num_steps_in_flight(self) -> int:
@@ -284,8 +302,10 @@ class Scheduler:
         while i < len(self.running) and step.budget > 0:  # (ending a request replaces the list)
             req = self.running[i]
             pending = req.num_output_placeholders
-            if pending and not self.config.runner_holds_samples:
-                i += 1  # (pipeline stages: its next input is the token still in flight)
+            if pending and (req.speculates or not self.config.runner_holds_samples):
+                # (pipeline stages: its next input is the token still in flight; one that
+                # drafts, from all of its tokens, waits for the tokens of its step)
+                i += 1
                 continue
             if pending and (
                 len(req.output_token_ids) + pending >= req.max_tokens
@@ -294,14 +314,24 @@ class Scheduler:
                 i += 1  # its last token is on its way: nothing more to compute
                 continue
             computed = req.num_computed_tokens
+            drafts: list[int] = []
             if req.num_tokens + pending - computed == 1 and computed < max_len:
                 n = 1  # a decode (what `_num_new_tokens` gives it, with budget left)
+                if req.speculates:
+                    drafts = self._drafts(req, step.budget)
             else:
                 n = self._num_new_tokens(req, computed, step.budget)
             if n <= 0:  # with budget left: it never will get a token
                 self._error_outputs.append(self._unschedulable(req, req.num_computed_tokens))
                 continue  # it left self.running: i is already the next one
-            blocks = self.kv.allocate_slots(req, n)
+            blocks = None
+            if drafts:  # (only where they fit as they are: drafts never preempt)
+                blocks = self.kv.allocate_slots(req, 1 + len(drafts))
+                if blocks is not None:
+                    n += len(drafts)
+                    step.drafts[req.request_id] = drafts
+            if not drafts or blocks is None:
+                blocks = self.kv.allocate_slots(req, n)
             if blocks is None and len(self.running) == 1:
                 if pending or self._in_flight:
                     # Its token in flight is still due, or blocks are held for a step in
@@ -432,6 +462,20 @@ class Scheduler:
             f"the {self.kv.num_blocks} there are",
         )
 
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """A decoding request's draft tokens for this step (see core/ngram_proposer.py):
+        no more than the budget left after its own token, its max_tokens after this
+        step's token, or max_model_len allow."""
+        assert self.proposer is not None
+        room = min(
+            budget - 1,
+            req.max_tokens - len(req.output_token_ids) - 1,
+            self.config.max_model_len - req.num_tokens,
+        )
+        if room <= 0:
+            return []
+        return self.proposer.propose(req.request_id, req.all_token_ids, room)
+
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
         """Tokens `req` may compute this step: the rest of its tokens (known, or being
         sampled by a step in flight), capped by the per-chunk threshold, the budget left
@@ -454,10 +498,12 @@ class Scheduler:
         scheduled: list[Scheduled] = []
         structured: list[Request] = []
         lagging = False  # a structured row's matcher has yet to see a token in flight
+        drafts = step.drafts
         for req, n, before in zip(step.reqs, step.num_tokens, step.computed_before):
             pending = req.num_output_placeholders
             known = req.num_tokens + pending
-            if n == 1 and before == known - 1 and (pending or req.output_token_ids):
+            d = len(drafts.get(req.request_id, ())) if drafts else 0
+            if n == 1 + d and before == known - 1 and (pending or req.output_token_ids):
                 decode += 1
             else:
                 prefill += n
@@ -471,6 +517,9 @@ class Scheduler:
                 structured.append(req)
                 lagging |= pending > 0
         self._record_step(prefill, decode, chunked)
+        if drafts:
+            self.stats.spec_num_drafts += len(drafts)
+            self.stats.spec_num_draft_tokens += sum(map(len, drafts.values()))
         finished, self.finished_req_ids = self.finished_req_ids, set()
         out = SchedulerOutput(
             scheduled_new_reqs=new_data,
@@ -480,6 +529,7 @@ class Scheduler:
             finished_req_ids=finished,
             num_prefill_tokens=prefill,
             num_decode_tokens=decode,
+            scheduled_spec_decode_tokens=drafts,
         )
         if structured:
             self.grammar.plan_masks(out, structured, lagging)
@@ -581,13 +631,32 @@ class Scheduler:
                     outputs.append(self._fail(req, ErrorKind.FAILED, reason))
                     self._recompute_readers(unwritten, rebuild_matchers=not accept)
                 else:
+                    drafts = sched.scheduled_spec_decode_tokens.get(req.request_id)
+                    if drafts is not None:
+                        self._roll_back_rejected(req, runner, computed_before, len(drafts))
                     out = self._update_request(req, runner, accept, computed_before)
+                    if drafts and out is not None and out.new_token_ids:
+                        # (tokens generated: the step counted its first as a decode)
+                        self.stats.total_decode_tokens += len(out.new_token_ids) - 1
                     if out is not None:
                         outputs.append(out)
             if not req.num_in_flight and req.held_blocks is not None:
                 self.kv.free_blocks(req.held_blocks)
                 req.held_blocks = None
         return outputs
+
+    def _roll_back_rejected(
+        self, req: Request, runner: ModelRunnerOutput, computed_before: int, num_drafts: int
+    ) -> None:
+        """A request that verified drafts gets back the drafts the model agreed with and
+        one token of its own: the positions of the rejected drafts were computed in vain
+        (their slots are written again by the next step), so its computed tokens end
+        after the accepted ones. (Not scheduled while in flight: nothing came after.)"""
+        k = len(runner.sampled_token_ids.get(req.request_id, ()))
+        if not 1 <= k <= 1 + num_drafts:
+            return  # (nothing sampled: the step's update handles it as it is)
+        req.num_computed_tokens = computed_before + k
+        self.stats.spec_num_accepted_tokens += k - 1
 
     def _update_request(
         self,

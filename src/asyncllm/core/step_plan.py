@@ -21,6 +21,7 @@ class StepPlan:
         "computed_before",
         "new_block_ids",
         "preempted",
+        "drafts",
     )
 
     def __init__(self, budget: int) -> None:
@@ -32,6 +33,7 @@ class StepPlan:
         # waiting queue this step (the runner gets all of its data).
         self.new_block_ids: list[list[list[int]] | None] = []
         self.preempted = False
+        self.drafts: dict[str, list[int]] = {}  # request id -> the drafts it verifies
 
     def add(
         self, req: Request, n: int, num_computed: int, new_block_ids: list[list[int]] | None
@@ -51,4 +53,5 @@ class StepPlan:
                 for column in (self.reqs, self.num_tokens, self.computed_before):
                     del column[i]
                 del self.new_block_ids[i]
+                self.drafts.pop(req.request_id, None)
                 return

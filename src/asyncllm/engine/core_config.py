@@ -27,6 +27,7 @@ from asyncllm.config import (
     ParallelConfig,
     SchedulerConfig,
     SchedulingPolicy,
+    SpeculativeConfig,
     default_capture_sizes,
     num_experts,
 )
@@ -215,6 +216,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         max_waiting_requests=args.max_waiting_requests,
         async_scheduling=args.async_scheduling,
         runner_holds_samples=args.pipeline_parallel_size == 1,
+        speculative=speculative_config(args, model),
     )
     cache = CacheConfig(
         block_size=args.block_size,
@@ -242,6 +244,34 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         cudagraph_capture_sizes=_capture_sizes(args, model.device, max_num_seqs),
         ubatch=args.ubatch,
         cpu_threads=args.cpu_threads,
+    )
+
+
+def speculative_config(args: EngineArgs, model: ModelConfig) -> SpeculativeConfig | None:
+    """EngineArgs.speculative_config (checked already) for the scheduler; a ValueError
+    where it cannot run yet: pipeline parallelism (a stage does not hold the tokens it
+    would draft from), logits processors (they would see no drafts), latent-attention
+    models (untested)."""
+    spec = args.speculative_config
+    if spec is None:
+        return None
+    if args.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"speculative_config is not supported with pipeline_parallel_size="
+            f"{args.pipeline_parallel_size} yet"
+        )
+    if args.logits_processors:
+        raise ValueError("speculative_config cannot be combined with logits_processors yet")
+    if getattr(model.hf_config, "kv_lora_rank", None) is not None:
+        raise ValueError(
+            f"speculative_config: {model.architecture} uses latent attention (MLA), "
+            "not supported with speculative decoding yet"
+        )
+    return SpeculativeConfig(
+        num_speculative_tokens=spec["num_speculative_tokens"],
+        prompt_lookup_min=spec["prompt_lookup_min"],
+        prompt_lookup_max=spec["prompt_lookup_max"],
+        disable_by_batch_size=spec["disable_by_batch_size"],
     )
 
 

@@ -70,6 +70,11 @@ def stats_dict(core: SchedulerStats, latency: LatencyStats, num_requests: int) -
     out: dict[str, Any] = {f: getattr(core, f) for f in core.__struct_fields__}
     q = core.prefix_cache_queries
     out["prefix_cache_hit_rate"] = core.prefix_cache_hits / q if q else 0.0
+    drafts, tokens = core.spec_num_drafts, core.spec_num_draft_tokens
+    out["spec_acceptance_rate"] = core.spec_num_accepted_tokens / tokens if tokens else 0.0
+    # (per verification: the drafts agreed with, and the drafts verified)
+    out["spec_mean_accepted_tokens"] = core.spec_num_accepted_tokens / drafts if drafts else 0.0
+    out["spec_mean_draft_tokens"] = tokens / drafts if drafts else 0.0
     out["num_frontend_requests"] = num_requests
     out.update(latency.as_dict())
     return out

@@ -138,3 +138,13 @@ class InputBatch:
             self.num_tokens[kept] = n[room] + 1
         for state, token in zip(states, tokens):
             state.output_token_ids.append(token)
+
+    def append_tokens(self, state: CachedRequestState, tokens: list[int]) -> None:
+        """More new tokens of a request after `take_sampled_tokens` gave it its first
+        (the accepted drafts of a verifying step), as far as max_model_len allows."""
+        row = state.row
+        n = int(self.num_tokens[row])
+        tokens = tokens[: self.max_model_len - n]
+        self.token_ids[row, n : n + len(tokens)] = tokens
+        self.num_tokens[row] = n + len(tokens)
+        state.output_token_ids.extend(tokens)

@@ -105,6 +105,8 @@ class ModelRunner:
             max_blocks,
             self.device,
             groups,
+            # (a request verifying drafts samples each of its positions)
+            sched.max_num_seqs + sched.max_num_batched_tokens if sched.speculative else None,
         )
         self.sampling = SamplingState(sched.max_num_seqs, self.vocab_size, self.device)
         self.processors: list[LogitsProcessor] = [
@@ -250,7 +252,7 @@ class ModelRunner:
             if sync is not None:
                 self.grammar.handshake_alone(sync)
             return result
-        inputs = self._prepare_inputs(scheduled, sync)
+        inputs = self._prepare_inputs(scheduled, sync, so.scheduled_spec_decode_tokens)
         # Picked before sampling appends tokens: whether a request still owes prompt
         # logprobs depends on the tokens it had when the step began.
         prompt_rows = prompt_logprob_rows(inputs, self.input_batch)
@@ -433,9 +435,13 @@ class ModelRunner:
     # -- inputs and the forward ------------------------------------------------------------
 
     def _prepare_inputs(
-        self, scheduled: dict[str, int], sync: GrammarSync | None = None
+        self,
+        scheduled: dict[str, int],
+        sync: GrammarSync | None = None,
+        drafts: dict[str, list[int]] | None = None,
     ) -> StepInputs:
-        """Fills the step buffers (`scheduled`: request id -> tokens, in batch order),
+        """Fills the step buffers (`scheduled`: request id -> tokens, in batch order;
+        `drafts`: the draft tokens requests verify),
         pads a decode step to its captured size, and queues the copies to the device;
         for a device step (`sync`), then the tokens ahead to the grammar process (the
         last ones sampled for its requests); last, the device-side scatter of the input
@@ -443,7 +449,7 @@ class ModelRunner:
         buf = self.buffers
         buf.wait_until_writable()
         inputs = gather_step_inputs(
-            self.input_batch, buf, scheduled, self.block_size, self.capture_sizes
+            self.input_batch, buf, scheduled, self.block_size, self.capture_sizes, drafts
         )
         if sync is not None:
             self.grammar.write_rows(sync)
@@ -601,10 +607,11 @@ class ModelRunner:
         T = size or inputs.num_tokens  # padded on the CPU too, to test the padding
         hidden = self.forward(T, size or S, self.kv_caches, split=size is None)
         assert hidden is not None  # (the last stage's)
-        if not len(inputs.samples):
+        R = inputs.num_logit_rows
+        if not R:
             return hidden, hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
-        if len(inputs.samples) == T:
+        if R == T and not inputs.spec:
             last = hidden
         else:
-            last = hidden.index_select(0, self.buffers.logit_rows.device[: len(inputs.samples)])
-        return hidden, model.compute_logits(last).float()[: len(inputs.samples)]
+            last = hidden.index_select(0, self.buffers.logit_rows.device[:R])
+        return hidden, model.compute_logits(last).float()[:R]

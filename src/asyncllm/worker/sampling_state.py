@@ -125,6 +125,14 @@ class SamplingState:
         ones = torch.ones_like(tokens, dtype=torch.int32)
         self.output_counts.index_put_((rows_dev, tokens), ones, accumulate=True)
 
+    def record_tokens(self, row: int, tokens: list[int]) -> None:
+        """Counts accepted draft tokens of a penalized row (once they are known)."""
+        if not tokens or not self.penalized[row] or self.output_counts is None:
+            return
+        ids = torch.tensor(tokens, dtype=torch.int64).to(self.device, non_blocking=True)
+        ones = torch.ones(len(tokens), dtype=torch.int32, device=self.device)
+        self.output_counts[row].index_add_(0, ids, ones)
+
     # -- a step --------------------------------------------------------------------
 
     def metadata(
@@ -133,10 +141,13 @@ class SamplingState:
         rows: np.ndarray,
         rows_dev: torch.Tensor,
         num_pending: np.ndarray,
+        extra_counts: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> SamplingMetadata:
         """The sampling metadata of `states` (persistent rows `rows`, also on the device
         as `rows_dev`; `num_pending[i]`: tokens of states[i] sampled by a step in flight,
-        not in its output ids yet), gathered from the per-row tensors."""
+        or drafts before its position, not in its output ids yet), gathered from the
+        per-row tensors. A request may have several rows (one per position it verifies);
+        `extra_counts` (rows, tokens) adds those drafts to the rows' output counts."""
         if self._dirty:
             for b in self._device_bufs:
                 b.copy_to_device(self.num_rows)
@@ -160,6 +171,9 @@ class SamplingState:
         if pen.any():
             assert self.prompt_mask is not None and self.output_counts is not None
             counts = self.output_counts.index_select(0, rows_dev)
+            if extra_counts is not None and len(extra_counts[0]):
+                at = tuple(torch.from_numpy(a).to(self.device) for a in extra_counts)
+                counts.index_put_(at, torch.ones_like(at[0], dtype=counts.dtype), accumulate=True)
             if (self.repetition_penalty.np[rows] != 1.0).any():
                 md.seen_mask = self.prompt_mask.index_select(0, rows_dev) | (counts > 0)
                 md.repetition_penalty = self.repetition_penalty.device.index_select(0, rows_dev)
@@ -183,8 +197,11 @@ class SamplingState:
         p = s.sampling_params
         num_output = len(s.output_token_ids) + pending
         if p.seed is not None and s.generator is not None and not p.is_greedy:
-            s.generator.manual_seed(step_seed(p.seed, num_output))
-            md.generators[i] = s.generator
+            gen = s.generator
+            if any(g is gen for g in md.generators.values()):  # (another position of it)
+                gen = torch.Generator(device=self.device)
+            gen.manual_seed(step_seed(p.seed, num_output))
+            md.generators[i] = gen
         if p.logit_bias:
             if md.logit_bias is None:
                 md.logit_bias = torch.zeros(num_rows, self.vocab_size, device=self.device)

@@ -80,8 +80,12 @@ class StepBuffers:
         max_blocks: int,
         device: torch.device,
         num_groups: int = 1,
+        max_logit_rows: int | None = None,
     ) -> None:
+        """`max_logit_rows`: the most rows a step samples (more than max_num_seqs where
+        requests verify draft tokens: one row per position)."""
         self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
+        max_logit_rows = max_logit_rows or max_num_seqs
         on_cuda = device.type == "cuda"
         layout: list[tuple[str, int, torch.dtype]] = [
             ("input_ids", max_num_tokens, torch.int64),
@@ -89,8 +93,8 @@ class StepBuffers:
             ("slot_mapping", num_groups * max_num_tokens, torch.int64),
             ("query_start_loc", max_num_seqs + 1, torch.int32),
             ("seq_lens", max_num_seqs, torch.int32),
-            ("logit_rows", max_num_seqs, torch.int64),
-            ("sample_rows", max_num_seqs, torch.int64),
+            ("logit_rows", max_logit_rows, torch.int64),
+            ("sample_rows", max_logit_rows, torch.int64),
             ("pending_at", max_num_seqs, torch.int64),
             ("pending_rows", max_num_seqs, torch.int64),
             ("grammar_rows", max_num_seqs, torch.int64),

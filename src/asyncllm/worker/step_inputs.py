@@ -1,6 +1,12 @@
 """One step's batch, gathered from the persistent batch into the step buffers with
 numpy (no tensor is built from a Python list): token ids, positions, slot mapping,
-query start offsets, sequence lengths, block table, and which requests sample."""
+query start offsets, sequence lengths, block table, and which requests sample.
+
+A request verifying draft tokens (speculative decoding) computes its last token and
+its drafts, and samples at each of those positions: its first row is among the
+step's one-per-request logit rows (`samples`, in batch order), its other rows follow
+all of those (`spec`, in the same order), so a step with drafts indexes its first
+len(samples) rows as any step does."""
 
 from __future__ import annotations
 
@@ -27,6 +33,14 @@ class StepInputs:
     samples: np.ndarray  # indices (into states) of the requests that sample
     graph_size: int | None  # the captured batch size this decode step replays, if any
     num_pending: int = 0  # input tokens still being sampled by the step in flight
+    # Requests verifying drafts: (index into `samples`, its drafts), in batch order; the
+    # rows of its drafts' positions follow the len(samples) first rows in this order.
+    spec: list[tuple[int, list[int]]] | None = None
+    num_logit_rows: int = -1  # rows of logits the step samples (-1: len(samples))
+
+    def __post_init__(self) -> None:
+        if self.num_logit_rows < 0:
+            self.num_logit_rows = len(self.samples)
 
     def sampled_req_ids(self) -> list[str]:
         """The ids of the requests that sample, in batch order."""
@@ -42,11 +56,13 @@ def gather_step_inputs(
     scheduled: dict[str, int],
     block_size: int,
     capture_sizes: list[int],
+    drafts: dict[str, list[int]] | None = None,
 ) -> StepInputs:
     """Writes the host side of the step buffers (`scheduled`: request id -> tokens, in
     batch order) with vectorised gathers from the persistent arrays; picks the captured
     size a decode step is padded to. A token past the known ones (being sampled by the
-    step in flight) is listed in `pending_at`/`pending_rows`, for the device to fill."""
+    step in flight) is listed in `pending_at`/`pending_rows`, for the device to fill;
+    a draft token is written after its request's known tokens (`drafts`)."""
     states = [batch.requests[r] for r in scheduled]
     S = len(states)
     rows = np.fromiter((s.row for s in states), dtype=np.int64, count=S)
@@ -58,17 +74,32 @@ def gather_step_inputs(
     computed = batch.num_computed_tokens[rows]
     seq_lens = buf.seq_lens.np[:S]
     np.add(computed, n, out=seq_lens)
+    num_drafts = None
+    if drafts:
+        num_drafts = np.zeros(S, dtype=np.int32)
+        index = {s.req_id: i for i, s in enumerate(states)}
+        for rid, ids in drafts.items():
+            i = index.get(rid)
+            if i is not None:  # (a request the runner could not take is not here)
+                row = states[i].row
+                end = int(batch.num_tokens[row])
+                batch.token_ids[row, end : end + len(ids)] = ids
+                num_drafts[i] = len(ids)
     if T == S:  # one token each: a decode step (or one-token chunks)
         tok_rows, pos = rows, computed.astype(np.int64)
+        known = batch.num_tokens[tok_rows]
     else:
         tok_req = np.repeat(np.arange(S), n)  # each token's request
         pos = computed[tok_req] + (np.arange(T) - qsl[:-1][tok_req])
         tok_rows = rows[tok_req]
+        known = batch.num_tokens[tok_rows]
+        if num_drafts is not None:
+            known = known + num_drafts[tok_req]
     bs = block_size
     buf.positions.np[:T] = pos
     buf.input_ids.np[:T] = batch.token_ids[tok_rows, pos]
-    # Tokens past the known ones are being sampled by the step in flight.
-    pending = np.nonzero(pos >= batch.num_tokens[tok_rows])[0]
+    # Tokens past the known ones (and the drafts) are being sampled by the step in flight.
+    pending = np.nonzero(pos >= known)[0]
     buf.pending_at.np[: len(pending)] = pending
     buf.pending_rows.np[: len(pending)] = tok_rows[pending]
     buf.slot_mapping.np[:, :T] = batch.block_table[:, tok_rows, pos // bs] * bs + pos % bs
@@ -76,6 +107,20 @@ def gather_step_inputs(
     samples = np.nonzero(seq_lens >= batch.num_tokens[rows] + batch.num_pending[rows])[0]
     buf.sample_rows.np[: len(samples)] = rows[samples]
     buf.logit_rows.np[: len(samples)] = qsl[1:][samples] - 1
+    spec, num_logit_rows = None, len(samples)
+    if num_drafts is not None:
+        spec = []
+        for k, i in enumerate(samples.tolist()):
+            nd = int(num_drafts[i])
+            if nd:
+                first = int(qsl[i])  # (its last token's row: it predicts the first draft)
+                buf.logit_rows.np[k] = first
+                buf.logit_rows.np[num_logit_rows : num_logit_rows + nd] = np.arange(
+                    first + 1, first + 1 + nd
+                )
+                buf.sample_rows.np[num_logit_rows : num_logit_rows + nd] = rows[i]
+                num_logit_rows += nd
+                spec.append((k, drafts[states[i].req_id]))  # type: ignore[index]
     graph_size = None
     if T == S and len(samples) == S and capture_sizes:
         graph_size = padded_size(S, capture_sizes)
@@ -89,4 +134,6 @@ def gather_step_inputs(
         samples=samples,
         graph_size=graph_size,
         num_pending=len(pending),
+        spec=spec,
+        num_logit_rows=num_logit_rows,
     )

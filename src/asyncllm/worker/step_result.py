@@ -38,8 +38,35 @@ class SampledGroup:
 
     states: list[CachedRequestState]
     rows: np.ndarray
-    tokens: torch.Tensor  # [n] int64, host
+    tokens: torch.Tensor  # [n + draft rows] int64, host
     top: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # ids, logprobs, ranks
+    # Requests verifying drafts: (index into states, its drafts); their draft positions'
+    # rows follow the n first ones, in this order (see step_inputs.py).
+    spec: list[tuple[int, list[int]]] | None = None
+    # Counts a row's accepted drafts for its penalties (SamplingState.record_tokens).
+    record: Callable[[int, list[int]], None] | None = None
+
+    def accepted(self, tokens: list[int]) -> dict[int, tuple[list[int], list[int]]]:
+        """Per request verifying drafts (index into states): its new tokens and the rows
+        they were sampled at. Each position's token is a sample of the model's
+        distribution there (argmax for greedy requests); the drafts are kept while they
+        equal those samples, then the first sample that differs (or, all kept, the one
+        after the last draft) ends the list. A draft is so kept with the probability the
+        model gives it, and a position that rejects one yields a sample of the model's
+        distribution without it: rejection sampling against a draft that proposes one
+        token, which keeps the output distribution exact."""
+        out = {}
+        o = len(self.states)
+        for k, drafts in self.spec or ():
+            rows = [k, *range(o, o + len(drafts))]
+            o += len(drafts)
+            new = []
+            for j, row in enumerate(rows):
+                new.append(tokens[row])
+                if j == len(drafts) or tokens[row] != drafts[j]:
+                    break
+            out[k] = (new, rows[: len(new)])
+        return out
 
 
 class StepsInFlight:
@@ -123,7 +150,7 @@ class StepResult:
         # Everything is read to the host first (prompt logprobs may take milliseconds):
         # an interrupt meanwhile leaves the batch as it was, and the step in flight.
         prompt_logprobs = {rid: p.read() for rid, p in self._prompt_logprobs.items()}
-        sampled, logprobs, takes = self._read_groups()
+        sampled, logprobs, takes, extras = self._read_groups()
         output = ModelRunnerOutput(
             sampled_token_ids=sampled,
             logprobs=logprobs,
@@ -132,6 +159,10 @@ class StepResult:
         )
         for take in takes:
             self._batch.take_sampled_tokens(*take)
+        for state, tokens, record in extras:
+            self._batch.append_tokens(state, tokens)
+            if record is not None:
+                record(state.row, tokens)
         self._output = output
         self._groups = []
 
@@ -141,30 +172,43 @@ class StepResult:
         dict[str, list[int]],
         dict[str, TokenLogprobs],
         list[tuple[list[CachedRequestState], np.ndarray, list[int]]],
+        list[tuple[CachedRequestState, list[int], Callable[[int, list[int]], None] | None]],
     ]:
         """The sampled tokens and logprobs by request, and what to append to the
-        persistent batch: the tokens of the requests still in it."""
+        persistent batch: the tokens of the requests still in it (one each), then the
+        accepted drafts of those that verified some."""
         requests = self._batch.requests
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, TokenLogprobs] = {}
         takes = []
+        extras = []
         for g in self._groups:
             tokens = g.tokens.tolist()
             states = g.states
             ids = [s.req_id for s in states]
-            sampled.update(zip(ids, [[t] for t in tokens]))
+            n = len(states)
+            sampled.update(zip(ids, [[t] for t in tokens[:n]]))
+            spec = g.accepted(tokens) if g.spec else {}
+            for k, (new, _) in spec.items():
+                sampled[ids[k]] = new
             if g.top is not None:  # (the sampler computes them when any row wants them)
                 top_ids, lps, ranks = (t.tolist() for t in g.top)
                 for k, state in enumerate(states):
                     want = state.sampling_params.logprobs
                     if want is not None:
+                        at = spec[k][1] if k in spec else [k]
                         logprobs[state.req_id] = TokenLogprobs(
-                            [top_ids[k][: 1 + want]], [lps[k][: 1 + want]], [ranks[k]]
+                            [top_ids[r][: 1 + want] for r in at],
+                            [lps[r][: 1 + want] for r in at],
+                            [ranks[r] for r in at],
                         )
             live = [requests.get(rid) is s for rid, s in zip(ids, states)]
             if all(live):
-                takes.append((states, g.rows, tokens))
+                takes.append((states, g.rows, tokens[:n]))
             elif any(live):  # (some were dropped meanwhile: their rows are not theirs now)
                 keep = np.flatnonzero(live)
                 takes.append(([states[k] for k in keep], g.rows[keep], [tokens[k] for k in keep]))
-        return sampled, logprobs, takes
+            for k, (new, _) in spec.items():
+                if live[k] and len(new) > 1:  # (the first went with the others)
+                    extras.append((states[k], new[1:], g.record))
+        return sampled, logprobs, takes, extras

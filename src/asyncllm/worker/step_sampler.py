@@ -68,6 +68,18 @@ def prompt_logprob_rows(inputs: StepInputs, batch: InputBatch) -> list[PromptLog
     return out
 
 
+def _extra_rows(
+    num_states: int, spec: list[tuple[int, list[int]]]
+) -> list[tuple[int, int, list[int]]]:
+    """(state index, its first draft row, its drafts) per request verifying drafts: the
+    rows after the `num_states` first ones, in `spec`'s order."""
+    out, o = [], num_states
+    for k, d in spec:
+        out.append((k, o, d))
+        o += len(d)
+    return out
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """Queues a copy of a device tensor into pinned host memory (valid once the step's
     event has completed); a CPU tensor is returned as it is."""
@@ -102,10 +114,11 @@ class StepSampler:
         self, inputs: StepInputs, logits: torch.Tensor, apply_earlier: Callable[[], None]
     ) -> tuple[list[SampledGroup], dict[str, str]]:
         """Queues the sampling of one token per sampling request (row k of `logits` is
-        `inputs.samples[k]`) and the copy of the tokens to the host. If the batch cannot
-        be sampled, each request is sampled alone: those that fail alone are returned
-        (request id -> why) and get nothing; if all of them fail, the error is the
-        step's and is raised. `apply_earlier` applies the results of the steps in
+        `inputs.samples[k]`), and of each position of a request verifying drafts (its
+        other rows: `inputs.spec`), and the copy of the tokens to the host. If the batch
+        cannot be sampled, each request is sampled alone: those that fail alone are
+        returned (request id -> why) and get nothing; if all of them fail, the error is
+        the step's and is raised. `apply_earlier` applies the results of the steps in
         flight before this one (logits processors read the output ids)."""
         failed: dict[str, str] = {}
         if not len(inputs.samples):
@@ -114,17 +127,23 @@ class StepSampler:
             apply_earlier()
         states = [inputs.states[i] for i in inputs.samples]
         rows = inputs.rows[inputs.samples]
+        spec = inputs.spec or []
         try:
-            rows_dev = self.buffers.sample_rows.device[: len(rows)]
-            groups = [self._sample_rows(states, rows, rows_dev, logits)]
+            rows_dev = self.buffers.sample_rows.device[: inputs.num_logit_rows]
+            groups = [self._sample_rows(states, rows, rows_dev, logits, spec)]
         except Exception as batch_error:
             groups = []
+            extra = {k: (o, d) for k, o, d in _extra_rows(len(states), spec)}
             for k, state in enumerate(states):
                 one = rows[k : k + 1]
+                o, d = extra.get(k, (0, []))
+                picks = [k] + list(range(o, o + len(d)))
                 try:
-                    one_dev = torch.from_numpy(one).to(self.device)
+                    one_dev = torch.from_numpy(np.repeat(one, len(picks))).to(self.device)
+                    idx = torch.tensor(picks, device=logits.device)
+                    one_spec = [(0, d)] if d else []
                     groups.append(
-                        self._sample_rows([state], one, one_dev, logits[k : k + 1].clone())
+                        self._sample_rows([state], one, one_dev, logits[idx].clone(), one_spec)
                     )
                 except Exception as e:  # noqa: BLE001 (tried alone: this request's fault)
                     failed[state.req_id] = f"sampling failed: {type(e).__name__}: {e}"
@@ -141,21 +160,47 @@ class StepSampler:
         rows: np.ndarray,
         rows_dev: torch.Tensor,
         logits: torch.Tensor,
+        spec: list[tuple[int, list[int]]],
     ) -> SampledGroup:
         """Queues the sampling of one token for each of `states` (persistent rows `rows`,
-        row i of `logits`), with logprobs if any wants them, and their copies to the host."""
-        md = self.sampling.metadata(states, rows, rows_dev, self.batch.num_pending[rows])
+        row i of `logits`), and, for those verifying drafts (`spec`), one at each draft's
+        position (the rows after len(states), in order), with logprobs if any wants
+        them, and their copies to the host. A draft position's row samples as the
+        request's next output token would: its seed and min_tokens by its output
+        position, its penalties counting the drafts before it."""
+        n = len(states)
+        all_states, all_rows, pending = states, rows, self.batch.num_pending[rows]
+        extra_counts = None
+        if spec:
+            all_states = list(states)
+            row_parts, pending_parts = [rows], [pending]
+            at_rows: list[int] = []
+            at_tokens: list[int] = []
+            for k, o, d in _extra_rows(n, spec):
+                all_states += [states[k]] * len(d)
+                row_parts.append(np.full(len(d), rows[k]))
+                pending_parts.append(np.arange(1, len(d) + 1))  # (the drafts before it)
+                for j in range(1, len(d) + 1):  # (row o + j - 1 follows drafts 0..j-1)
+                    at_rows += [o + j - 1] * j
+                    at_tokens += d[:j]
+            all_rows, pending = np.concatenate(row_parts), np.concatenate(pending_parts)
+            extra_counts = (np.asarray(at_rows), np.asarray(at_tokens))
+        md = self.sampling.metadata(all_states, all_rows, rows_dev, pending, extra_counts)
         if self.processors:
-            md.rows = rows.tolist()
+            md.rows = all_rows.tolist()
         result = self.sampler(logits, md)
-        self.sampling.record_sampled(rows, rows_dev, result.token_ids)
-        self.last_sampled.index_copy_(0, rows_dev, result.token_ids)
+        tokens = result.token_ids
+        # (a request's first row always gives its first new token; draft rows count once
+        # accepted: `SampledGroup.record`)
+        self.sampling.record_sampled(rows, rows_dev[:n], tokens[:n])
+        self.last_sampled.index_copy_(0, rows_dev[:n], tokens[:n])
         top = None
         if result.logprobs is not None:
             assert result.logprob_token_ids is not None and result.ranks is not None
             ids, lps, ranks = result.logprob_token_ids, result.logprobs, result.ranks
             top = (to_host(ids), to_host(lps), to_host(ranks))
-        return SampledGroup(states, rows, to_host(result.token_ids), top)
+        record = self.sampling.record_tokens if spec else None
+        return SampledGroup(states, rows, to_host(tokens), top, spec or None, record)
 
     def prompt_logprobs(
         self, model: CausalLM, hidden: torch.Tensor | None, prompt_rows: list[PromptLogprobRows]

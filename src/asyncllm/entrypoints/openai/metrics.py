@@ -22,6 +22,10 @@ GAUGES = {
         "asyncllm_prefix_cache_hit_rate",
         "prompt tokens found in the prefix cache over those looked up, since start",
     ),
+    "spec_acceptance_rate": (
+        "asyncllm_spec_decode_acceptance_rate",
+        "draft tokens accepted over those verified, since start",
+    ),
 }
 COUNTERS = {
     "num_preemptions": ("asyncllm_num_preemptions", "requests preempted"),
@@ -29,6 +33,15 @@ COUNTERS = {
     "total_decode_tokens": ("asyncllm_generation_tokens", "tokens generated"),
     "prefix_cache_queries": ("asyncllm_prefix_cache_queries", "prompt tokens looked up"),
     "prefix_cache_hits": ("asyncllm_prefix_cache_hits", "prompt tokens found cached"),
+    "spec_num_drafts": (
+        "asyncllm_spec_decode_num_drafts",
+        "requests that verified draft tokens (one per request and step)",
+    ),
+    "spec_num_draft_tokens": ("asyncllm_spec_decode_num_draft_tokens", "draft tokens verified"),
+    "spec_num_accepted_tokens": (
+        "asyncllm_spec_decode_num_accepted_tokens",
+        "draft tokens the model agreed with",
+    ),
 }
 HISTOGRAMS = {
     "ttft_s": ("asyncllm_time_to_first_token_seconds", "time to first token"),
