@@ -51,6 +51,24 @@ from asyncllm.engine.core_config import (
         ({"max_logprobs": -1}, ValueError, "max_logprobs"),
         ({"attention_backend": ""}, ValueError, "attention_backend"),
         ({"attention_backend": 3}, ValueError, "attention_backend"),
+        ({"speculative_config": [4]}, TypeError, "speculative_config"),
+        ({"speculative_config": "{4"}, ValueError, "speculative_config"),
+        ({"speculative_config": {"method": "eagle"}}, ValueError, "method"),
+        ({"speculative_config": {"method": "ngram"}}, ValueError, "num_speculative_tokens"),
+        ({"speculative_config": {"num_speculative_tokens": 0}}, ValueError, "num_speculative"),
+        ({"speculative_config": {"num_speculative_tokens": "3"}}, TypeError, "num_speculative"),
+        (
+            {
+                "speculative_config": {
+                    "num_speculative_tokens": 3,
+                    "prompt_lookup_min": 4,
+                    "prompt_lookup_max": 2,
+                }
+            },
+            ValueError,
+            "prompt_lookup_min",
+        ),
+        ({"speculative_config": {"num_speculative_tokens": 3, "model": "x"}}, ValueError, "model"),
         (
             {"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 128},
             ValueError,
@@ -125,3 +143,37 @@ def test_flashinfer_sampling_is_asked_for(monkeypatch):
     monkeypatch.setenv("ASYNCLLM_FLASHINFER_SAMPLING", "1")
     installed = importlib.util.find_spec("flashinfer") is not None
     assert envs.flashinfer_sampling_enabled() is installed
+
+
+def test_speculative_config_is_completed_as_vllm_completes_it() -> None:
+    def spec(**kw):
+        return EngineArgs(speculative_config=kw).speculative_config
+
+    assert spec(num_speculative_tokens=3) == {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5,
+        "prompt_lookup_max": 5, "disable_by_batch_size": 16,
+    }  # fmt: skip
+    assert spec(num_speculative_tokens=2, prompt_lookup_max=4)["prompt_lookup_min"] == 4
+    assert spec(num_speculative_tokens=2, prompt_lookup_min=2)["prompt_lookup_max"] == 2
+    assert spec(method="ngram_gpu", num_speculative_tokens=2)["method"] == "ngram"
+    from_cli = EngineArgs(speculative_config='{"num_speculative_tokens": 4}').speculative_config
+    assert from_cli is not None and from_cli["num_speculative_tokens"] == 4
+
+
+def test_speculation_is_refused_where_it_cannot_run_yet(smollm_config) -> None:
+    spec = {"num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="logits_processors"):
+        create_engine_config(
+            EngineArgs(
+                device="cpu",
+                speculative_config=spec,
+                logits_processors=["tests.engine.processors:RecordLogits"],
+            )
+        )
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        create_engine_config(
+            EngineArgs(device="cpu", speculative_config=spec, pipeline_parallel_size=2)
+        )
+    config = create_engine_config(EngineArgs(device="cpu", speculative_config=spec))
+    assert config.scheduler.speculative is not None
+    assert config.scheduler.speculative.num_speculative_tokens == 2
