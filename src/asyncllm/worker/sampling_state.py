@@ -125,6 +125,7 @@ class SamplingState:
         ones = torch.ones_like(tokens, dtype=torch.int32)
         self.output_counts.index_put_((rows_dev, tokens), ones, accumulate=True)
 
+    @torch.inference_mode()
     def record_tokens(self, row: int, tokens: list[int]) -> None:
         """Counts accepted draft tokens of a penalized row (once they are known)."""
         if not tokens or not self.penalized[row] or self.output_counts is None:
