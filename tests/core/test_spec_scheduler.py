@@ -126,21 +126,30 @@ def test_drafts_stay_within_the_budget_max_tokens_and_max_model_len() -> None:
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
-def test_a_speculating_request_waits_for_its_step_in_flight() -> None:
+def test_a_request_waits_only_while_drafts_of_it_are_in_flight() -> None:
+    """Async scheduling: with its last token in flight a request drafts from the tokens
+    known (the lookup's first token stands for the one in flight); with drafts in
+    flight, where it goes on is not known until they are verified: it waits."""
+    plain = make_scheduler()
     sched = spec_scheduler()
-    add(sched, "a", PERIOD * 2, max_tokens=20)
-    add(sched, "b", [7, 8, 9], max_tokens=20)
-    first = sched.schedule()
-    second = sched.schedule()  # (async scheduling: both have a token in flight)
-    assert second.num_scheduled_tokens == {}
-    sched.update_from_output(first, run_model(sched, first))
-    sched.update_from_output(second, run_model(sched, second))
+    for s in (plain, sched):
+        add(s, "a", PERIOD * 2, max_tokens=20)
+        add(s, "b", [7, 8, 9], max_tokens=20)
+    first = sched.schedule()  # the prompts
+    second = sched.schedule()  # both prompts' tokens in flight
+    drafts = second.scheduled_spec_decode_tokens
+    assert drafts["a"] == PERIOD[1:5]  # (after the 11 it predicts for the token in flight)
+    assert second.num_scheduled_tokens == {"a": 5, "b": 1} and "b" not in drafts
     third = sched.schedule()
-    assert "a" in third.scheduled_spec_decode_tokens
-    fourth = sched.schedule()
-    assert fourth.num_scheduled_tokens == {}  # (both speculate: both wait)
-    sched.update_from_output(third, run_model(sched, third))
-    sched.update_from_output(fourth, run_model(sched, fourth))
+    assert third.num_scheduled_tokens == {"b": 1}  # (a's drafts are in flight)
+    got: dict[str, list[int]] = {}
+    for out in (first, second, third):
+        for o in sched.update_from_output(out, run_model(sched, out)):
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for rid, tokens in run(sched).items():
+        got[rid] += tokens
+    assert got == run(plain)
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
 def test_requests_admitted_under_load_never_speculate() -> None:

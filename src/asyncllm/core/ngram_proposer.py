@@ -29,15 +29,17 @@ class NgramProposer:
         self._buffers: dict[str, tuple[np.ndarray, int]] = {}
 
     def propose(
-        self, req_id: str, token_ids: list[int], max_drafts: int | None = None
+        self, req_id: str, token_ids: list[int], max_drafts: int | None = None, skip: int = 0
     ) -> list[int]:
         """Up to `num_speculative_tokens` (or `max_drafts`, if fewer) drafts for the
-        request whose tokens so far are `token_ids`; [] where no suffix recurs."""
+        request whose known tokens are `token_ids`; [] where no suffix recurs. `skip`:
+        tokens after those known that are not known yet (being sampled): the lookup's
+        first `skip` tokens stand for them, and the drafts follow."""
         k = self.num_tokens if max_drafts is None else min(self.num_tokens, max_drafts)
         if k <= 0:
             return []
         tokens = self._tokens(req_id, token_ids)
-        return propose_ngram(tokens, self.min_n, self.max_n, k)
+        return propose_ngram(tokens, self.min_n, self.max_n, k + skip)[skip:]
 
     def forget(self, req_id: str) -> None:
         self._buffers.pop(req_id, None)

@@ -93,8 +93,11 @@ class Request:
         self.num_output_placeholders = 0
         self.num_in_flight = 0
         self.held_blocks: tuple | None = None  # blocks of an ended request, freed later
-        # Speculative decoding: whether it drafts (decided when it is added, for its life).
+        # Speculative decoding: whether it drafts (decided when it is added, for its life),
+        # and its steps in flight that verify drafts (until applied, its next position is
+        # not known: it is not scheduled).
         self.speculates = False
+        self.num_verifying = 0
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_tokens = len(self.all_token_ids)  # kept in step with all_token_ids (hot path)

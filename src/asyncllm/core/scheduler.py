@@ -302,9 +302,9 @@ class Scheduler:
         while i < len(self.running) and step.budget > 0:  # (ending a request replaces the list)
             req = self.running[i]
             pending = req.num_output_placeholders
-            if pending and (req.speculates or not self.config.runner_holds_samples):
-                # (pipeline stages: its next input is the token still in flight; one that
-                # drafts, from all of its tokens, waits for the tokens of its step)
+            if pending and (req.num_verifying or not self.config.runner_holds_samples):
+                # (pipeline stages: its next input is the token still in flight; drafts in
+                # flight: how many it keeps, so where it goes on, is not known yet)
                 i += 1
                 continue
             if pending and (
@@ -318,7 +318,7 @@ class Scheduler:
             if req.num_tokens + pending - computed == 1 and computed < max_len:
                 n = 1  # a decode (what `_num_new_tokens` gives it, with budget left)
                 if req.speculates:
-                    drafts = self._drafts(req, step.budget)
+                    drafts = self._drafts(req, pending, step.budget)
             else:
                 n = self._num_new_tokens(req, computed, step.budget)
             if n <= 0:  # with budget left: it never will get a token
@@ -462,19 +462,22 @@ class Scheduler:
             f"the {self.kv.num_blocks} there are",
         )
 
-    def _drafts(self, req: Request, budget: int) -> list[int]:
+    def _drafts(self, req: Request, pending: int, budget: int) -> list[int]:
         """A decoding request's draft tokens for this step (see core/ngram_proposer.py):
         no more than the budget left after its own token, its max_tokens after this
-        step's token, or max_model_len allow."""
+        step's token, or max_model_len allow. With its last token still in flight
+        (async scheduling), the lookup runs over the tokens known and skips the one
+        it predicts for that token: the drafts follow it. (Verification is exact either
+        way: a draft after a wrongly predicted token is simply rejected.)"""
         assert self.proposer is not None
         room = min(
             budget - 1,
-            req.max_tokens - len(req.output_token_ids) - 1,
-            self.config.max_model_len - req.num_tokens,
+            req.max_tokens - len(req.output_token_ids) - pending - 1,
+            self.config.max_model_len - req.num_tokens - pending - 1,
         )
         if room <= 0:
             return []
-        return self.proposer.propose(req.request_id, req.all_token_ids, room)
+        return self.proposer.propose(req.request_id, req.all_token_ids, room, skip=pending)
 
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
         """Tokens `req` may compute this step: the rest of its tokens (known, or being
@@ -510,6 +513,8 @@ class Scheduler:
                 chunked |= before + n < known
             samples = before + n >= known
             scheduled.append((req, before, samples, req.num_preemptions))
+            if d:
+                req.num_verifying += 1
             req.num_computed_tokens = before + n
             req.num_in_flight += 1
             req.num_output_placeholders = pending + samples
@@ -617,8 +622,11 @@ class Scheduler:
             return []
         outputs = []
         running, failed = RequestStatus.RUNNING, runner.failed
+        drafted = sched.scheduled_spec_decode_tokens
         for req, computed_before, samples, preemptions in record[1]:
             req.num_in_flight -= 1
+            if drafted and req.request_id in drafted:
+                req.num_verifying -= 1
             if req.status == running and req.num_preemptions == preemptions:
                 req.num_output_placeholders -= samples
                 reason = failed.get(req.request_id) if failed else None

@@ -81,25 +81,26 @@ def gather_step_inputs(
         for rid, ids in drafts.items():
             i = index.get(rid)
             if i is not None:  # (a request the runner could not take is not here)
-                row = states[i].row
-                end = int(batch.num_tokens[row])
+                row = states[i].row  # (after its known tokens and those in flight)
+                end = int(batch.num_tokens[row] + batch.num_pending[row])
                 batch.token_ids[row, end : end + len(ids)] = ids
                 num_drafts[i] = len(ids)
     if T == S:  # one token each: a decode step (or one-token chunks)
         tok_rows, pos = rows, computed.astype(np.int64)
-        known = batch.num_tokens[tok_rows]
     else:
         tok_req = np.repeat(np.arange(S), n)  # each token's request
         pos = computed[tok_req] + (np.arange(T) - qsl[:-1][tok_req])
         tok_rows = rows[tok_req]
-        known = batch.num_tokens[tok_rows]
-        if num_drafts is not None:
-            known = known + num_drafts[tok_req]
     bs = block_size
     buf.positions.np[:T] = pos
     buf.input_ids.np[:T] = batch.token_ids[tok_rows, pos]
-    # Tokens past the known ones (and the drafts) are being sampled by the step in flight.
-    pending = np.nonzero(pos >= known)[0]
+    # Tokens past the known ones are being sampled by the step in flight (drafts follow
+    # those, written above).
+    known = batch.num_tokens[tok_rows]
+    past = pos >= known
+    if num_drafts is not None:
+        past &= pos < known + batch.num_pending[tok_rows]
+    pending = np.nonzero(past)[0]
     buf.pending_at.np[: len(pending)] = pending
     buf.pending_rows.np[: len(pending)] = tok_rows[pending]
     buf.slot_mapping.np[:, :T] = batch.block_table[:, tok_rows, pos // bs] * bs + pos % bs

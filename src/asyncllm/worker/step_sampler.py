@@ -179,7 +179,8 @@ class StepSampler:
             for k, o, d in _extra_rows(n, spec):
                 all_states += [states[k]] * len(d)
                 row_parts.append(np.full(len(d), rows[k]))
-                pending_parts.append(np.arange(1, len(d) + 1))  # (the drafts before it)
+                # (its tokens in flight and the drafts before it)
+                pending_parts.append(pending[k] + np.arange(1, len(d) + 1))
                 for j in range(1, len(d) + 1):  # (row o + j - 1 follows drafts 0..j-1)
                     at_rows += [o + j - 1] * j
                     at_tokens += d[:j]
