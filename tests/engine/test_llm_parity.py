@@ -4,7 +4,8 @@ Sixteen prompts of 1 to 300 tokens, 24 new tokens each (EOS ignored on both side
 compared under DESIGN.md's tie rule. Each regime exercises a different path: the
 defaults, small token budgets (chunked prefill mixed with decodes), two sequences at a
 time without the prefix cache (on four of the prompts: it takes a step per token), and
-a KV cache so small that requests get preempted.
+a KV cache so small that requests get preempted, and speculative decoding (async
+scheduling on; off with the small KV cache).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import pytest
 from asyncllm import LLM, SamplingParams
 from tests.model.helpers import assert_greedy_parity
 
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3}  # fmt: skip
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 REGIMES = {
@@ -21,6 +24,14 @@ REGIMES = {
     "budget64": {"max_num_batched_tokens": 64},
     "two_seqs_no_prefix_cache": {"max_num_seqs": 2, "enable_prefix_caching": False},
     "tiny_kv_cache": {"max_model_len": 512, "num_gpu_blocks_override": 40},
+    # drafts by prompt lookup verified in one pass (the outputs must not change)
+    "speculative": {"speculative_config": SPEC},
+    "speculative_sync_tiny_kv_cache": {
+        "speculative_config": SPEC,
+        "async_scheduling": False,
+        "max_model_len": 512,
+        "num_gpu_blocks_override": 40,
+    },
 }
 
 
@@ -51,8 +62,10 @@ def test_regime(regime, smollm_prompts16, hf_greedy_cache):
     if two:
         assert stats["num_steps"] >= len(prompts) * 24 // 2
         assert stats["prefix_cache_queries"] == 0
-    if regime == "tiny_kv_cache":
+    if regime.endswith("tiny_kv_cache"):
         assert stats["num_preemptions"] > 0, stats
+    if regime.startswith("speculative"):
+        assert stats["spec_num_accepted_tokens"] > 0, stats
     assert stats["num_free_blocks"] == stats["num_blocks"]
     assert stats["num_running"] == stats["num_waiting"] == 0
 

@@ -1,0 +1,73 @@
+"""Speculative decoding on the embedded SmolLM2 (float32, CPU) through `LLM`: the
+request features that pass the frontend give what they give without drafts: n > 1
+seeded samples, logprobs and prompt logprobs (within 1e-4), stop strings; on a prompt
+that asks the model to repeat a passage, most drafts are accepted."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from asyncllm import LLM, SamplingParams
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4}  # fmt: skip
+PASSAGE = (
+    "def area(r):\n    return 3.14159 * r * r\n\ndef perimeter(r):\n    return 2 * 3.14159 * r\n"
+)
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    with LLM(device="cpu", multiprocess=False, speculative_config=SPEC) as engine:
+        yield engine
+
+
+def _close(a, b) -> bool:
+    return math.isclose(a, b, abs_tol=1e-4)
+
+
+def _same_logprobs(got, want) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if g is None or w is None:
+            assert g is w is None
+            continue
+        assert g.keys() == w.keys()
+        for t in w:
+            assert _close(g[t].logprob, w[t].logprob) and g[t].rank == w[t].rank
+
+
+def test_features_equal_speculation_off(llm, spec_llm, smollm_tokenizer):
+    chat = smollm_tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this code exactly:\n\n{PASSAGE}"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    cases = [
+        ({"prompt": chat}, SamplingParams(temperature=0.0, max_tokens=40, logprobs=2)),
+        (
+            {"prompt": chat},
+            SamplingParams(temperature=0.8, top_p=0.95, seed=11, n=2, max_tokens=24),
+        ),
+        (
+            {"prompt": "The days of the week are Monday, Tuesday,"},
+            SamplingParams(temperature=0.0, max_tokens=24, prompt_logprobs=2, stop=["Friday"]),
+        ),
+    ]
+    before = spec_llm.get_stats()["spec_num_accepted_tokens"]
+    for prompt, params in cases:
+        (want,) = llm.generate([prompt], params, use_tqdm=False)
+        (got,) = spec_llm.generate([prompt], params, use_tqdm=False)
+        assert len(got.outputs) == len(want.outputs) == params.n
+        for g, w in zip(got.outputs, want.outputs):
+            assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+            if params.logprobs is not None:
+                _same_logprobs(g.logprobs, w.logprobs)
+        if params.prompt_logprobs is not None:
+            _same_logprobs(got.prompt_logprobs, want.prompt_logprobs)
+    assert want.outputs[0].finish_reason == "stop"  # (the stop string was met)
+    stats = spec_llm.get_stats()
+    assert stats["spec_num_accepted_tokens"] > before
+    assert stats["num_free_blocks"] == stats["num_blocks"]
