@@ -190,3 +190,24 @@ def test_preemption_and_abort_mid_speculation_free_every_block() -> None:
 
 def run_model_after_abort(out: SchedulerOutput) -> ModelRunnerOutput:
     return ModelRunnerOutput({rid: [11, 12] for rid in out.num_scheduled_tokens})
+
+
+def test_drafts_that_keep_failing_back_off() -> None:
+    """A model that never says what the prompt said: every draft is rejected; after each
+    failed verification the request drafts nothing for 1, 2, 4, ... steps."""
+    sched = spec_scheduler(k=4)
+    add(sched, "a", PERIOD * 3, max_tokens=60)
+    drafted = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        drafts = out.scheduled_spec_decode_tokens.get("a", [])
+        drafted.append(len(drafts))
+        req = sched.requests["a"]
+        tokens = [t + 1 for t in drafts[:1]] or [77]  # (never the first draft)
+        done = req.num_computed_tokens - len(drafts) >= req.num_tokens
+        sched.update_from_output(out, ModelRunnerOutput({"a": tokens if done else []}))
+    verified = [i for i, d in enumerate(drafted) if d]
+    gaps = [b - a - 1 for a, b in zip(verified, verified[1:])]
+    assert len(gaps) >= 4 and all(g >= 2**i for i, g in enumerate(gaps[:4])), gaps
+    assert all(d == 1 for d in drafted[verified[1] :] if d)  # (one draft while failing)
+    assert sched.stats.spec_num_accepted_tokens == 0

@@ -98,6 +98,12 @@ class Request:
         # not known: it is not scheduled).
         self.speculates = False
         self.num_verifying = 0
+        # How many drafts it may get next (after a partial acceptance: one more than it
+        # kept), and the steps it drafts nothing after drafts were all rejected (doubling
+        # while they keep failing): drafts that fail cost compute and gain nothing.
+        self.draft_cap = 1 << 30
+        self.draft_backoff = 0
+        self.draft_pause = 0
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_tokens = len(self.all_token_ids)  # kept in step with all_token_ids (hot path)

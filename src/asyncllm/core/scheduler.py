@@ -53,6 +53,10 @@ if TYPE_CHECKING:
     from asyncllm.structured.manager import FillJob, StructuredOutputManager
 
 
+# The most decode steps a request drafts nothing after its drafts were all rejected.
+MAX_DRAFT_BACKOFF = 32
+
+
 class Scheduler:
     """Owns every unfinished request: `requests` by id, `waiting` (a queue under the
     policy), `running` (in the order their tokens go into each batch), and through
@@ -470,7 +474,11 @@ class Scheduler:
         it predicts for that token: the drafts follow it. (Verification is exact either
         way: a draft after a wrongly predicted token is simply rejected.)"""
         assert self.proposer is not None
+        if req.draft_pause:
+            req.draft_pause -= 1
+            return []
         room = min(
+            req.draft_cap,
             budget - 1,
             req.max_tokens - len(req.output_token_ids) - pending - 1,
             self.config.max_model_len - req.num_tokens - pending - 1,
@@ -659,12 +667,22 @@ class Scheduler:
         """A request that verified drafts gets back the drafts the model agreed with and
         one token of its own: the positions of the rejected drafts were computed in vain
         (their slots are written again by the next step), so its computed tokens end
-        after the accepted ones. (Not scheduled while in flight: nothing came after.)"""
+        after the accepted ones. (Not scheduled while in flight: nothing came after.)
+        Its next drafts adapt: after a partial acceptance at most one more than it
+        kept; after a rejection of all, none for 1, 2, 4, ... MAX_DRAFT_BACKOFF decode
+        steps (then one draft), until drafts are kept again."""
         k = len(runner.sampled_token_ids.get(req.request_id, ()))
         if not 1 <= k <= 1 + num_drafts:
             return  # (nothing sampled: the step's update handles it as it is)
         req.num_computed_tokens = computed_before + k
         self.stats.spec_num_accepted_tokens += k - 1
+        kept = k - 1
+        if kept == 0:  # (all rejected: draft nothing for a while, longer each time)
+            req.draft_backoff = min(max(1, 2 * req.draft_backoff), MAX_DRAFT_BACKOFF)
+            req.draft_pause, req.draft_cap = req.draft_backoff, 1
+        else:
+            req.draft_backoff = 0
+            req.draft_cap = kept + 1 if kept < num_drafts else 1 << 30
 
     def _update_request(
         self,
