@@ -192,3 +192,19 @@ def test_device_gaps_on_a_synthetic_trace():
     assert gaps["between_frac"] == pytest.approx(10 / 290)
     assert gaps["idle_frac"] == pytest.approx((5 + 10) / 290)
     assert device_gaps(events[:2])["steps"] == 0
+
+
+def test_spec(capsys):
+    """Speculation on and off on the embedded model (its tokenizer builds the chat
+    prompts), both engines one after the other, in this process."""
+    from asyncllm.bench import spec
+
+    flags = ["--device", "cpu", "--batch-sizes", "2", "--output-len", "6"]
+    result = spec.main([*flags, "--workloads", "grounded", "--num-speculative-tokens", "3"])
+    assert last_json_line(capsys) == result
+    assert result["benchmark"] == "spec" and result["num_speculative_tokens"] == 3
+    cases = result["cases"]
+    assert [(c["workload"], c["batch"]) for c in cases] == [("grounded", 2)]
+    for c in cases:  # (greedy: the same tokens with drafts)
+        assert c["same_outputs"] == c["batch"] and c["on_decode_tok_s"] > 0
+    assert spec.workload_messages("open")[0][0]["role"] == "user"

@@ -533,10 +533,10 @@ def test_a_batch_that_cannot_be_sampled_is_sampled_alone(tiny_core, monkeypatch)
     good, bad = _batch(), _request(_prompt(6, 70), max_tokens=5, temperature=0.8)
     metadata = runner.sampling.metadata
 
-    def fails_with_the_culprit(states, rows, rows_dev, num_pending):
+    def fails_with_the_culprit(states, rows, rows_dev, num_pending, extra_counts=None):
         if any(s.req_id == bad.request_id for s in states):
             raise RuntimeError("no tensor for this row")
-        return metadata(states, rows, rows_dev, num_pending)
+        return metadata(states, rows, rows_dev, num_pending, extra_counts)
 
     monkeypatch.setattr(runner.sampling, "metadata", fails_with_the_culprit)
     results = _run_with_bad(tiny_core, good, bad, lambda req: None)

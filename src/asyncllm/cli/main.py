@@ -25,7 +25,7 @@ from asyncllm.cli.args import add_dataclass_flags, dataclass_kwargs
 from asyncllm.config import EngineArgs
 from asyncllm.errors import EngineStartupError
 
-BENCHMARKS = ("latency", "throughput", "serving", "startup", "step_profile", "roofline")
+BENCHMARKS = ("latency", "throughput", "serving", "startup", "step_profile", "roofline", "spec")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
