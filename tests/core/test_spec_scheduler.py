@@ -152,13 +152,21 @@ def test_a_request_waits_only_while_drafts_of_it_are_in_flight() -> None:
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
-def test_requests_admitted_under_load_never_speculate() -> None:
+def test_requests_admitted_under_load_never_speculate_and_no_step_at_the_limit_drafts() -> None:
     sched = spec_scheduler(limit=2)
     a = add(sched, "a", PERIOD * 2)
     b = add(sched, "b", PERIOD * 2)
     c = add(sched, "c", PERIOD * 2)
     assert (a.speculates, b.speculates, c.speculates) == (True, True, False)
-    run(sched)
+    a.max_tokens = 40  # (it outlives the others: then it runs alone and drafts)
+    drafted_with = set()
+    while sched.has_unfinished_requests():
+        running = len(sched.running)
+        out = sched.schedule()
+        if out.scheduled_spec_decode_tokens:
+            drafted_with.add(running)
+        sched.update_from_output(out, run_model(sched, out))
+    assert drafted_with == {1}  # (no drafts while the batch was at the limit)
     d = add(sched, "d", PERIOD * 2)  # (the engine is idle again)
     assert d.speculates
 

@@ -303,6 +303,10 @@ class Scheduler:
         than the whole pool while it runs alone) is ended with an error instead."""
         i = 0
         max_len = self.config.max_model_len
+        # (no drafts while the batch is that large: verifying them would cost more than
+        # they save; outputs never depend on it)
+        spec = self.config.speculative
+        spec_limit = spec.disable_by_batch_size if spec is not None else 0
         while i < len(self.running) and step.budget > 0:  # (ending a request replaces the list)
             req = self.running[i]
             pending = req.num_output_placeholders
@@ -321,7 +325,7 @@ class Scheduler:
             drafts: list[int] = []
             if req.num_tokens + pending - computed == 1 and computed < max_len:
                 n = 1  # a decode (what `_num_new_tokens` gives it, with budget left)
-                if req.speculates:
+                if req.speculates and len(self.running) < spec_limit:
                     drafts = self._drafts(req, pending, step.budget)
             else:
                 n = self._num_new_tokens(req, computed, step.budget)
