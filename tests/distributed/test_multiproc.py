@@ -76,18 +76,23 @@ def test_tp2_greedy_equals_tp1_with_preemption_and_prefix_hits(tp2_llama, refere
     check_greedy_with_preemption_and_prefix_hits(tp2_llama, ref["llama3"], "llama3 TP=2")
 
 
-def test_tp2_with_one_kv_head_replicated_equals_tp1(tiny_models, reference):
+def test_tp2_with_one_kv_head_replicated_and_drafts_equals_tp1(tiny_models, reference):
+    """Also speculative decoding: each rank gets the step's drafts and verifies them."""
     _, ref = reference
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     with LLM(
         str(tiny_models["qwen2"]),
         multiprocess=False,
         tensor_parallel_size=2,
         num_gpu_blocks_override=64,
         async_scheduling=False,  # (the one-step-at-a-time path, here)
+        speculative_config=spec,
         **TINY,
     ) as llm:
         outs = llm.generate(as_inputs(PROMPTS), GREEDY, use_tqdm=False)
-    assert_equal_under_tie_rule(ref["qwen2"], outs, "qwen2 (1 KV head) TP=2")
+        stats = llm.get_stats()
+    assert_equal_under_tie_rule(ref["qwen2"], outs, "qwen2 (1 KV head) TP=2, drafts")
+    assert stats["spec_num_accepted_tokens"] > 0, stats
 
 
 def test_mp_at_one_rank_gives_the_in_processtoken_ids(tiny_models, reference):
