@@ -15,8 +15,9 @@ import pytest
 from asyncllm import LLM, SamplingParams
 from tests.model.helpers import assert_greedy_parity
 
+# (disable_by_batch_size above the 16 prompts: every request drafts)
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3}  # fmt: skip
+        "prompt_lookup_max": 3, "disable_by_batch_size": 32}  # fmt: skip
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 REGIMES = {
