@@ -150,6 +150,18 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: Any) -> None:
     )
 
 
+def benchmark_parser(name: str, doc: str | None, **defaults: Any) -> argparse.ArgumentParser:
+    """A benchmark's parser: `python -m asyncllm.bench.<name>`, its module docstring as
+    the description, and the engine flags (`defaults`: this benchmark's own)."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m asyncllm.bench.{name}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_engine_args(parser, **defaults)
+    return parser
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineArgs fields for `LLM(**kw)` / `AsyncLLM(**kw)`: the flags that were set."""
     names = ["model", "kv_cache_memory_bytes", "skip_tokenizer_init", "enforce_eager"]

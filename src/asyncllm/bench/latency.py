@@ -21,7 +21,7 @@ from typing import Any
 
 from asyncllm.bench.common import (
     MAX_TOKEN_ID,
-    add_engine_args,
+    benchmark_parser,
     check_output_tokens,
     describe_engine,
     engine_kwargs,
@@ -41,12 +41,7 @@ def latency_prompt(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m asyncllm.bench.latency",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_engine_args(parser)
+    parser = benchmark_parser("latency", __doc__)
     g = parser.add_argument_group("workload")
     g.add_argument("--input-len", type=int, default=128, help="prompt tokens (default 128)")
     g.add_argument("--output-len", type=int, default=512, help="output tokens (default 512)")

@@ -25,9 +25,9 @@ from typing import Any
 
 from asyncllm.bench.common import (
     NUM_PROMPTS,
-    add_engine_args,
     add_warmup_arg,
     add_workload_args,
+    benchmark_parser,
     check_output_tokens,
     describe_engine,
     engine_kwargs,
@@ -54,12 +54,7 @@ class RequestRecord:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m asyncllm.bench.serving",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_engine_args(parser, **ENGINE_DEFAULTS)
+    parser = benchmark_parser("serving", __doc__, **ENGINE_DEFAULTS)
     add_workload_args(parser, "--num-requests", NUM_PROMPTS)
     add_warmup_arg(parser)
     parser.add_argument(

@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from asyncllm.bench.common import (
-    add_engine_args,
+    benchmark_parser,
     describe_engine,
     engine_kwargs,
     format_table,
@@ -93,12 +93,7 @@ def _ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m asyncllm.bench.spec",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_engine_args(parser)
+    parser = benchmark_parser("spec", __doc__)
     g = parser.add_argument_group("speculation and workload")
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="k (default 4)")
     g.add_argument("--prompt-lookup-min", type=int, default=2, help="default 2")

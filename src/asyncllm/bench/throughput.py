@@ -21,10 +21,10 @@ import time
 from typing import Any
 
 from asyncllm.bench.common import (
-    add_engine_args,
     add_peak_rate_args,
     add_throughput_workload_args,
     add_warmup_arg,
+    benchmark_parser,
     check_output_tokens,
     check_throughput_workload_args,
     describe_engine,
@@ -43,12 +43,7 @@ ENGINE_DEFAULTS = {"max_model_len": 4096, "max_num_seqs": 256, "max_num_batched_
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m asyncllm.bench.throughput",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_engine_args(parser, **ENGINE_DEFAULTS)
+    parser = benchmark_parser("throughput", __doc__, **ENGINE_DEFAULTS)
     add_throughput_workload_args(parser)
     add_warmup_arg(parser)
     add_peak_rate_args(parser)
