@@ -336,6 +336,10 @@ def test_metrics_parse(server):
         "asyncllm_time_to_first_token_seconds",
         "asyncllm_e2e_request_latency_seconds",
         "asyncllm_http_requests",
+        # (speculative decoding's: zero on an engine without it)
+        "asyncllm_spec_decode_num_drafts",
+        "asyncllm_spec_decode_num_accepted_tokens",
+        "asyncllm_spec_decode_acceptance_rate",
     ):
         assert name in families, name
     ttft = families["asyncllm_time_to_first_token_seconds"]
