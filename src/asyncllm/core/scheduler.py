@@ -36,9 +36,9 @@ from asyncllm.core.block_pool import KVCacheBlock
 from asyncllm.core.grammar_fill import GrammarFill
 from asyncllm.core.kv_cache_coordinator import KVCacheBlocks
 from asyncllm.core.kv_cache_manager import KVCacheManager, block_ids
-from asyncllm.core.ngram_proposer import NgramProposer
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.request_queue import create_request_queue
+from asyncllm.core.spec_decode import Speculation
 from asyncllm.core.step_plan import Scheduled, StepPlan
 from asyncllm.messages import EngineCoreOutput, ErrorKind, RequestError, SchedulerStats
 from asyncllm.step_io import (
@@ -51,10 +51,6 @@ from asyncllm.step_io import (
 
 if TYPE_CHECKING:
     from asyncllm.structured.manager import FillJob, StructuredOutputManager
-
-
-# The most decode steps a request drafts nothing after its drafts were all rejected.
-MAX_DRAFT_BACKOFF = 32
 
 
 class Scheduler:
@@ -99,11 +95,11 @@ class Scheduler:
     runner could not take. The placeholder is released, then the k tokens are appended
     in order with the stop rules checked after each (eos, stop tokens, max_tokens,
     max_model_len, a grammar's end); the tokens after the first that ends the request
-    are dropped. k > 1 is how speculative decoding would return a step's accepted
-    drafts plus its bonus token: a request with d drafts would be scheduled 1 + d
-    tokens (its computed tokens advanced by 1 + d), and get k <= 1 + d back; its
-    computed tokens would then go back by the 1 + d - k rejected positions (not done
-    yet: nothing schedules drafts). Tokens appended beyond those computed are computed
+    are dropped. k > 1 is how speculative decoding returns a step's accepted drafts
+    plus its own token (core/spec_decode.py): a request with d drafts
+    (`scheduled_spec_decode_tokens`) is scheduled 1 + d tokens (its computed tokens
+    advanced by 1 + d), gets k <= 1 + d back, and its computed tokens go back by the
+    1 + d - k rejected positions. Tokens appended beyond those computed are computed
     by the next step (`_num_new_tokens`). Requests that finished, were aborted or were preempted
     since `sched` get nothing; a request the runner failed is ended, its unwritten
     blocks unregistered from the prefix cache.
@@ -128,13 +124,7 @@ class Scheduler:
         # Structured outputs: grammars compiling, bitmasks to fill, tokens for matchers.
         self.grammar = GrammarFill(structured, self.requests, self._fail_later)
         spec = config.speculative
-        self.proposer = (
-            NgramProposer(
-                spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens
-            )
-            if spec is not None
-            else None
-        )
+        self.spec = Speculation(spec, config.max_model_len) if spec is not None else None
 
     # -- requests in and out -------------------------------------------------------
 
@@ -143,13 +133,8 @@ class Scheduler:
         of a finished one may be reused)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        spec = self.config.speculative
-        if spec is not None:
-            # (for its life: a seeded request's output must not depend on the load)
-            request.speculates = (
-                len(self.requests) < spec.disable_by_batch_size
-                and request.sampling_params.structured_outputs is None
-            )
+        if self.spec is not None:
+            self.spec.admit(request, len(self.requests))
         if request.sampling_params.structured_outputs is not None:
             self.grammar.add(request)  # queued once its grammar is ready
             self.requests[request.request_id] = request
@@ -252,8 +237,8 @@ class Scheduler:
             self.kv.free_blocks(blocks)
         self.requests.pop(req.request_id, None)
         self.finished_req_ids.add(req.request_id)
-        if req.speculates and self.proposer is not None:
-            self.proposer.forget(req.request_id)
+        if self.spec is not None:
+            self.spec.forget(req)
 
     @property
     def num_steps_in_flight(self) -> int:
@@ -303,10 +288,6 @@ class Scheduler:
         than the whole pool while it runs alone) is ended with an error instead."""
         i = 0
         max_len = self.config.max_model_len
-        # (no drafts while the batch is that large: verifying them would cost more than
-        # they save; outputs never depend on it)
-        spec = self.config.speculative
-        spec_limit = spec.disable_by_batch_size if spec is not None else 0
         while i < len(self.running) and step.budget > 0:  # (ending a request replaces the list)
             req = self.running[i]
             pending = req.num_output_placeholders
@@ -325,8 +306,8 @@ class Scheduler:
             drafts: list[int] = []
             if req.num_tokens + pending - computed == 1 and computed < max_len:
                 n = 1  # a decode (what `_num_new_tokens` gives it, with budget left)
-                if req.speculates and len(self.running) < spec_limit:
-                    drafts = self._drafts(req, pending, step.budget)
+                if self.spec is not None:
+                    drafts = self.spec.drafts(req, pending, step.budget, len(self.running))
             else:
                 n = self._num_new_tokens(req, computed, step.budget)
             if n <= 0:  # with budget left: it never will get a token
@@ -469,27 +450,6 @@ class Scheduler:
             f"it needs more KV cache blocks ({req.num_tokens} tokens in blocks of {bs}) than "
             f"the {self.kv.num_blocks} there are",
         )
-
-    def _drafts(self, req: Request, pending: int, budget: int) -> list[int]:
-        """A decoding request's draft tokens for this step (see core/ngram_proposer.py):
-        no more than the budget left after its own token, its max_tokens after this
-        step's token, or max_model_len allow. With its last token still in flight
-        (async scheduling), the lookup runs over the tokens known and skips the one
-        it predicts for that token: the drafts follow it. (Verification is exact either
-        way: a draft after a wrongly predicted token is simply rejected.)"""
-        assert self.proposer is not None
-        if req.draft_pause:
-            req.draft_pause -= 1
-            return []
-        room = min(
-            req.draft_cap,
-            budget - 1,
-            req.max_tokens - len(req.output_token_ids) - pending - 1,
-            self.config.max_model_len - req.num_tokens - pending - 1,
-        )
-        if room <= 0:
-            return []
-        return self.proposer.propose(req.request_id, req.all_token_ids, room, skip=pending)
 
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
         """Tokens `req` may compute this step: the rest of its tokens (known, or being
@@ -653,7 +613,9 @@ class Scheduler:
                 else:
                     drafts = sched.scheduled_spec_decode_tokens.get(req.request_id)
                     if drafts is not None:
-                        self._roll_back_rejected(req, runner, computed_before, len(drafts))
+                        assert self.spec is not None
+                        k = len(runner.sampled_token_ids.get(req.request_id, ()))
+                        self.spec.verified(req, k, computed_before, len(drafts), self.stats)
                     out = self._update_request(req, runner, accept, computed_before)
                     if drafts and out is not None and out.new_token_ids:
                         # (tokens generated: the step counted its first as a decode)
@@ -664,29 +626,6 @@ class Scheduler:
                 self.kv.free_blocks(req.held_blocks)
                 req.held_blocks = None
         return outputs
-
-    def _roll_back_rejected(
-        self, req: Request, runner: ModelRunnerOutput, computed_before: int, num_drafts: int
-    ) -> None:
-        """A request that verified drafts gets back the drafts the model agreed with and
-        one token of its own: the positions of the rejected drafts were computed in vain
-        (their slots are written again by the next step), so its computed tokens end
-        after the accepted ones. (Not scheduled while in flight: nothing came after.)
-        Its next drafts adapt: after a partial acceptance at most one more than it
-        kept; after a rejection of all, none for 1, 2, 4, ... MAX_DRAFT_BACKOFF decode
-        steps (then one draft), until drafts are kept again."""
-        k = len(runner.sampled_token_ids.get(req.request_id, ()))
-        if not 1 <= k <= 1 + num_drafts:
-            return  # (nothing sampled: the step's update handles it as it is)
-        req.num_computed_tokens = computed_before + k
-        self.stats.spec_num_accepted_tokens += k - 1
-        kept = k - 1
-        if kept == 0:  # (all rejected: draft nothing for a while, longer each time)
-            req.draft_backoff = min(max(1, 2 * req.draft_backoff), MAX_DRAFT_BACKOFF)
-            req.draft_pause, req.draft_cap = req.draft_backoff, 1
-        else:
-            req.draft_backoff = 0
-            req.draft_cap = kept + 1 if kept < num_drafts else 1 << 30
 
     def _update_request(
         self,
