@@ -122,3 +122,51 @@ def test_graph_replay_with_new_inputs(decode):
         torch.cuda.synchronize()
         want = paged_attention_ref(*new.args(), scale=0.088)
         assert rel_err(out, want) <= 1e-2
+
+
+def test_graph_of_uniform_chunks_replays_ragged_and_padded_batches():
+    """A verification graph's launch: captured over 6 chunks of 5 tokens (decode + 4
+    drafts), replayed on batches of fewer sequences (the rest empty) whose chunks have
+    1 to 5 tokens (drafts differ per request; the rest of q is padding)."""
+    S, Q = 6, 5
+    shape = dict(num_kv_heads=2, group=3, head_size=64, block_size=16, dtype=torch.bfloat16,
+                 device="cuda")  # fmt: skip
+
+    def case(seqs, seed, n):  # (1200 blocks each: the caches' shape stays)
+        spare = 1200 - sum(-(-total // 16) for _, total in seqs)
+        T = sum(ql for ql, _ in seqs)
+        return make_case(seqs, seed=seed, pad_seqs=S - n, pad_tokens=S * Q - T,
+                         spare_blocks=spare, **shape)  # fmt: skip
+
+    first = case([(Q, Q + 100 * i) for i in range(S)], 0, S)
+    bufs = [t.clone() for t in first.args()]
+    bt = torch.zeros(S, 200, dtype=torch.int32, device="cuda")
+    bt[:, : bufs[3].shape[1]] = bufs[3]
+    bufs[3] = bt
+    out = torch.empty_like(bufs[0])
+
+    def run():
+        paged_attention(*bufs, scale=0.125, max_query_len=Q, out=out)
+
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for seed in range(1, 7):
+        r = random.Random(seed)
+        n = r.randint(1, S)
+        seqs = [(ql, ql + r.randint(0, 2500)) for ql in (r.randint(1, Q) for _ in range(n))]
+        T = sum(ql for ql, _ in seqs)
+        new = case(seqs, seed, n)
+        for buf, t in zip(bufs, new.args()):
+            if buf.dim() == 2 and buf.dtype == torch.int32:
+                buf.zero_()
+                buf[:, : t.shape[1]] = t
+            else:
+                buf.copy_(t)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = paged_attention_ref(*new.args(), scale=0.125)
+        assert rel_err(out[:T], want[:T]) <= 1e-2, (seed, seqs)

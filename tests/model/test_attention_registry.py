@@ -107,7 +107,7 @@ def test_the_built_in_backends_come_first_and_triton_stays_unimported():
         "torch_native", "torch_mla",
     ]  # fmt: skip
     triton = find_attention_backend("triton", AttentionNeeds(torch.device("cuda")))
-    assert triton.cudagraph_support is AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    assert triton.cudagraph_support is AttentionCGSupport.UNIFORM_BATCH
     assert triton.kv_cache_layout is KVCacheLayout.KV_BLOCKS_TOKENS_HEADS
     # Choosing a backend on the CPU imports neither Triton nor the Triton backend.
     code = (

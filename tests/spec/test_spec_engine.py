@@ -114,3 +114,32 @@ def test_a_seeded_request_is_the_same_alone_and_under_load(tiny_folder):
     loaded, _ = _outputs(tiny_folder, SPEC, workload=crowd)
     assert stats.spec_num_drafts > 0
     assert loaded["seeded"] == alone["seeded"]
+
+
+def test_padded_verification_steps_compute_what_unpadded_ones_do(tiny_folder):
+    """The runner pads a step verifying drafts to a verification graph's shape (sizes
+    2/4/8 of 1 + k tokens per request) on the CPU as on CUDA (only the replay is
+    CUDA's): chunks shorter than 1 + k and padded requests change no output, and the
+    padded path was taken."""
+    want, _ = _outputs(tiny_folder, None)
+    core = _core(tiny_folder, True, speculative_config=SPEC)
+    runner = core.executor.worker.runner  # type: ignore[attr-defined]
+    runner.capture_sizes = [2, 4, 8]
+    runner.verify_graphs = ([2, 4, 8], 1 + SPEC["num_speculative_tokens"])
+    shapes: list[tuple[int | None, int]] = []
+    prepare = runner._prepare_inputs
+
+    def spy(scheduled, *args):
+        inputs = prepare(scheduled, *args)
+        shapes.append((inputs.graph_size, inputs.graph_query_len))
+        return inputs
+
+    runner._prepare_inputs = spy
+    try:
+        got = _summary(_run(core, _workload()))
+    finally:
+        core.shutdown()
+    _same(got, want)
+    verified = {size for size, q in shapes if q == 5}
+    assert verified and verified <= {2, 4, 8}, shapes
+    assert any(q == 1 and size is not None for size, q in shapes)  # (padded decodes too)

@@ -67,7 +67,7 @@ from asyncllm.worker.cuda_graph import DecodeGraphs
 from asyncllm.worker.grammar_rows import GrammarRows
 from asyncllm.worker.input_batch import InputBatch
 from asyncllm.worker.sampling_state import SamplingState
-from asyncllm.worker.step_buffers import StepBuffers
+from asyncllm.worker.step_buffers import StepBuffers, padded_size
 from asyncllm.worker.step_inputs import StepInputs, gather_step_inputs
 from asyncllm.worker.step_result import SampledGroup, StepResult, StepsInFlight
 from asyncllm.worker.step_sampler import PromptLogprobRows, StepSampler, prompt_logprob_rows
@@ -99,6 +99,9 @@ class ModelRunner:
         # Decode batches up to the largest captured size are padded to a captured size
         # (and replayed as a graph on CUDA once captured).
         self.capture_sizes = self._capture_sizes()
+        # Steps verifying drafts, up to the speculation limit, padded likewise where the
+        # backend runs query lengths above 1 inside a graph: (sizes, tokens per request).
+        self.verify_graphs = self._verify_graph_sizes()
         self.buffers = StepBuffers(
             max(sched.max_num_batched_tokens, self.capture_sizes[-1] if self.capture_sizes else 0),
             sched.max_num_seqs,
@@ -169,6 +172,27 @@ class ModelRunner:
             )
             return []
         return sizes
+
+    def _verify_graph_sizes(self) -> tuple[list[int], int]:
+        """The captured sizes that verification steps (1 + k tokens per request) are
+        padded to: those up to the largest batch that drafts (fewer requests than
+        `disable_by_batch_size`) whose tokens fit a step; none without speculation, or
+        where the attention backend cannot run such a batch inside a CUDA graph."""
+        sched = self.config.scheduler
+        spec, sizes = sched.speculative, self.capture_sizes
+        if spec is None or not sizes:
+            return [], 1
+        if self.attention.cudagraph_support.value < AttentionCGSupport.UNIFORM_BATCH.value:
+            logger.info(
+                "attention backend %s runs no multi-token queries inside CUDA graphs: "
+                "steps verifying drafts run eager",
+                self.attention.name,
+            )
+            return [], 1
+        q = 1 + spec.num_speculative_tokens
+        most = min(spec.disable_by_batch_size - 1, sched.max_num_seqs)
+        top = padded_size(most, sizes) or sizes[-1]
+        return [s for s in sizes if s <= top and s * q <= sched.max_num_batched_tokens], q
 
     def load_model(self) -> None:
         self.model = load_model(self.config.model, self.backend)
@@ -449,13 +473,22 @@ class ModelRunner:
         buf = self.buffers
         buf.wait_until_writable()
         inputs = gather_step_inputs(
-            self.input_batch, buf, scheduled, self.block_size, self.capture_sizes, drafts
+            self.input_batch,
+            buf,
+            scheduled,
+            self.block_size,
+            self.capture_sizes,
+            drafts,
+            self.verify_graphs,
         )
         if sync is not None:
             self.grammar.write_rows(sync)
         T, S, size = inputs.num_tokens, len(inputs.states), inputs.graph_size
         if size is not None:
-            buf.pad(T, S, size, size)
+            padded = size * inputs.graph_query_len
+            buf.pad(T, S, padded, size)
+            if inputs.graph_query_len > 1:  # (the graph computes logits of every row)
+                buf.logit_rows.np[inputs.num_logit_rows : padded] = 0
             buf.copy_to_device(size)
         else:
             buf.copy_to_device(S)
@@ -596,18 +629,19 @@ class ModelRunner:
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(hidden states [T, hidden] or None after a graph replay, float32 logits of
         the sampling requests in batch order); writes the step's K/V into the cache."""
-        size, S = inputs.graph_size, len(inputs.states)
+        size, S, q = inputs.graph_size, len(inputs.states), inputs.graph_query_len
+        R = inputs.num_logit_rows
         model = self.loaded_model()
         if size is not None and self.graphs is not None and not prompt_rows:
             assert self.graph_logits is not None
             if self.backend.plans_on_host:
-                self.attention_metadata(size, size, for_cuda_graph=True)
-            self.graphs.replay(size)
-            return None, self.graph_logits[:S]
-        T = size or inputs.num_tokens  # padded on the CPU too, to test the padding
+                self.attention_metadata(size * q, size, for_cuda_graph=True)
+            self.graphs.replay(size, q)
+            return None, self.graph_logits[:R]
+        # (padded on the CPU too, to test the padding)
+        T = size * q if size is not None else inputs.num_tokens
         hidden = self.forward(T, size or S, self.kv_caches, split=size is None)
         assert hidden is not None  # (the last stage's)
-        R = inputs.num_logit_rows
         if not R:
             return hidden, hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
         if R == T and not inputs.spec:

@@ -13,7 +13,7 @@ import torch
 
 from asyncllm.model.attention.backend import AttentionWarmUp
 from asyncllm.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
-from asyncllm.worker.cuda_graph import DecodeGraphs
+from asyncllm.worker.cuda_graph import DecodeGraphs, GraphKey
 from asyncllm.worker.model_runner import ModelRunner
 from asyncllm.worker.step_sampler import PROMPT_LOGPROB_CHUNK
 
@@ -64,7 +64,9 @@ class RunnerStartup:
         self._profile_micro_batches(T, scratch)
         del scratch
         if r.capture_sizes and r.device.type == "cuda" and r.graph_logits is None:
-            shape = (r.capture_sizes[-1], r.vocab_size)
+            verify, q = r.verify_graphs
+            rows = max(r.capture_sizes[-1], verify[-1] * q if verify else 0)
+            shape = (rows, r.vocab_size)
             r.graph_logits = torch.empty(shape, dtype=torch.float32, device=r.device)
 
     def _profile_micro_batches(self, T: int, scratch: list[torch.Tensor]) -> None:
@@ -104,55 +106,62 @@ class RunnerStartup:
             max_num_logprobs=self.runner.config.max_logprobs,
         )
 
+    def _graph_forward(self, kv_caches: list[torch.Tensor]) -> Any:
+        """A graph's body: the model over the inert batch of its key, then the logits of
+        every row (a verification graph's through the logit rows) into the shared
+        output buffer."""
+        r = self.runner
+        model, out, rows = r.loaded_model(), r.graph_logits, r.buffers.logit_rows.device
+        assert out is not None
+
+        def forward(key: GraphKey, metadata: list[Any]) -> None:
+            size, q = key
+            T = size * q
+            hidden = r.forward(T, size, kv_caches, inert=True, attn_metadata=metadata)
+            assert hidden is not None  # (no graphs under pipeline parallelism)
+            if q > 1:
+                hidden = hidden.index_select(0, rows[:T])
+            out[:T].copy_(model.compute_logits(hidden))
+
+        return forward
+
     @torch.inference_mode()
     def profile_decode_graph(self) -> int:
-        """The device memory the decode graphs will take, measured before the KV cache
-        exists: throwaway graphs of the largest and the smallest capture size over a
-        one-block cache, captured into one pool as the real ones are. The estimate is
-        the largest one's memory (the pool's intermediates, which smaller graphs reuse,
-        and its executable) plus the smallest one's (mostly an executable's own: its
-        kernel parameters grow with the graph's nodes, hundreds per layer in a
-        mixture-of-experts model) for every other size."""
+        """The device memory the CUDA graphs will take, measured before the KV cache
+        exists: throwaway graphs of the largest and the smallest decode size (and the
+        largest verification size) over a one-block cache, captured into one pool as
+        the real ones are. The estimate is what they took (the largest's holds the
+        pool's intermediates, which smaller graphs reuse) plus the smallest one's
+        (mostly an executable's own: its kernel parameters grow with the graph's nodes,
+        hundreds per layer in a mixture-of-experts model) for every other graph."""
         r = self.runner
-        sizes = r.capture_sizes
+        sizes, (verify, q) = r.capture_sizes, r.verify_graphs
         if not sizes or r.device.type != "cuda":
             return 0
         if r.graph_logits is None:
             raise RuntimeError("profile_run() allocates the graphs' logits: run it first")
-        model, out, scratch = r.loaded_model(), r.graph_logits, r.kv_cache_tensors(1)
-
-        def forward(size: int, metadata: list[Any]) -> None:
-            hidden = r.forward(size, size, scratch, inert=True, attn_metadata=metadata)
-            assert hidden is not None  # (no graphs under pipeline parallelism)
-            out[:size].copy_(model.compute_logits(hidden))
-
-        probe = DecodeGraphs(sorted({sizes[0], sizes[-1]}))
-        probe.capture(self._inert_decode_graph_batch, forward)
-        largest = probe.bytes_by_size[sizes[-1]]
-        smallest = probe.bytes_by_size[sizes[0]] if len(sizes) > 1 else 0
+        probe = DecodeGraphs(sorted({sizes[0], sizes[-1]}), verify[-1:], q)
+        probe.capture(self._inert_graph_batch, self._graph_forward(r.kv_cache_tensors(1)))
+        smallest = max(probe.bytes_by_key[(sizes[0], 1)], 0)
+        others = len(sizes) + len(verify) - len(probe.keys)
+        estimate = sum(max(b, 0) for b in probe.bytes_by_key.values()) + smallest * others
         del probe
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        return max(largest, 0) + max(smallest, 0) * (len(sizes) - 1)
+        return estimate
 
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> DecodeGraphs | None:
-        """Captures the decode graphs (after the KV cache exists: they bake in its
-        addresses). Nothing is written to the cache, and no random stream is used."""
+        """Captures the decode (and verification) graphs, after the KV cache exists: they
+        bake in its addresses. Nothing is written to the cache, and no random stream is
+        used."""
         r = self.runner
         if not r.capture_sizes or r.device.type != "cuda":
             return None
         if r.graph_logits is None:
             raise RuntimeError("profile_run() allocates the graphs' logits: run it first")
-        model, out = r.loaded_model(), r.graph_logits
-
-        def forward(size: int, metadata: list[Any]) -> None:
-            hidden = r.forward(size, size, r.kv_caches, inert=True, attn_metadata=metadata)
-            assert hidden is not None  # (no graphs under pipeline parallelism)
-            out[:size].copy_(model.compute_logits(hidden))
-
-        r.graphs = DecodeGraphs(r.capture_sizes)
-        r.graphs.capture(self._inert_decode_graph_batch, forward)
+        r.graphs = DecodeGraphs(r.capture_sizes, *r.verify_graphs)
+        r.graphs.capture(self._inert_graph_batch, self._graph_forward(r.kv_caches))
         return r.graphs
 
     # -- the attention backend's warm-up ----------------------------------------------
@@ -192,11 +201,14 @@ class RunnerStartup:
         T = self._inert_batch(lens)
         r.forward(T, num_seqs, r.kv_caches, inert=True)
 
-    def _inert_decode_graph_batch(self, size: int) -> list[Any]:
-        """A decode graph's batch of `size` one-token sequences that writes nothing, and
-        its attention metadata."""
-        self._inert_batch(np.ones(size, dtype=np.int64))
-        return self.runner.attention_metadata(size, size, for_cuda_graph=True)
+    def _inert_graph_batch(self, key: GraphKey) -> list[Any]:
+        """A graph's batch of `size` sequences of `q` tokens (a decode graph's: one) that
+        writes nothing, and its attention metadata."""
+        size, q = key
+        if q > 1:  # (copied with the batch: every row's logits)
+            self.runner.buffers.logit_rows.np[: size * q] = np.arange(size * q)
+        T = self._inert_batch(np.full(size, q, dtype=np.int64))
+        return self.runner.attention_metadata(T, size, for_cuda_graph=True)
 
     def _inert_batch(self, lens: np.ndarray) -> int:
         """Sequences of `lens` tokens (no context) in the step buffers that write nothing

@@ -31,12 +31,15 @@ class StepInputs:
     seq_lens: np.ndarray  # [S] int32: tokens in the cache after this step
     num_tokens: int  # T
     samples: np.ndarray  # indices (into states) of the requests that sample
-    graph_size: int | None  # the captured batch size this decode step replays, if any
+    graph_size: int | None  # the captured batch size this step replays, if any
     num_pending: int = 0  # input tokens still being sampled by the step in flight
     # Requests verifying drafts: (index into `samples`, its drafts), in batch order; the
     # rows of its drafts' positions follow the len(samples) first rows in this order.
     spec: list[tuple[int, list[int]]] | None = None
     num_logit_rows: int = -1  # rows of logits the step samples (-1: len(samples))
+    # The graph's tokens per request: 1 for a decode graph, 1 + k for a verification
+    # graph (its batch padded to graph_size * graph_query_len tokens).
+    graph_query_len: int = 1
 
     def __post_init__(self) -> None:
         if self.num_logit_rows < 0:
@@ -57,12 +60,16 @@ def gather_step_inputs(
     block_size: int,
     capture_sizes: list[int],
     drafts: dict[str, list[int]] | None = None,
+    verify_graphs: tuple[list[int], int] = ([], 1),
 ) -> StepInputs:
     """Writes the host side of the step buffers (`scheduled`: request id -> tokens, in
     batch order) with vectorised gathers from the persistent arrays; picks the captured
     size a decode step is padded to. A token past the known ones (being sampled by the
     step in flight) is listed in `pending_at`/`pending_rows`, for the device to fill;
-    a draft token is written after its request's known tokens (`drafts`)."""
+    a draft token is written after its request's known tokens (`drafts`).
+    `verify_graphs`: the captured sizes of verification graphs and their tokens per
+    request: a step whose every request computes its last token and at most that many
+    minus one drafts (and samples) is padded to one."""
     states = [batch.requests[r] for r in scheduled]
     S = len(states)
     rows = np.fromiter((s.row for s in states), dtype=np.int64, count=S)
@@ -122,9 +129,15 @@ def gather_step_inputs(
                 buf.sample_rows.np[num_logit_rows : num_logit_rows + nd] = rows[i]
                 num_logit_rows += nd
                 spec.append((k, drafts[states[i].req_id]))  # type: ignore[index]
-    graph_size = None
-    if T == S and len(samples) == S and capture_sizes:
-        graph_size = padded_size(S, capture_sizes)
+    graph_size, graph_query_len = None, 1
+    if len(samples) == S:
+        if T == S and capture_sizes:
+            graph_size = padded_size(S, capture_sizes)
+        elif spec and verify_graphs[0] and num_drafts is not None:
+            q = verify_graphs[1]
+            if bool((n == 1 + num_drafts).all()) and int(n.max()) <= q:
+                graph_size = padded_size(S, verify_graphs[0])
+                graph_query_len = q if graph_size is not None else 1
     return StepInputs(
         states=states,
         rows=rows,
@@ -137,4 +150,5 @@ def gather_step_inputs(
         num_pending=len(pending),
         spec=spec,
         num_logit_rows=num_logit_rows,
+        graph_query_len=graph_query_len,
     )

@@ -46,7 +46,6 @@ class AttentionFeature(enum.Enum):
     SLIDING_WINDOW = "sliding window"
     LOGITS_SOFT_CAP = "logit soft-cap"
     LATENT_ATTENTION = "latent attention (MLA)"
-    MULTI_TOKEN_QUERY_IN_GRAPH = "query lengths above 1 inside CUDA graphs"
 
 
 class KVCacheLayout(enum.Enum):
@@ -257,8 +256,11 @@ register_attention_backend(
         device_types=frozenset({"cuda"}),
         dtypes=_FLOATS,
         features=_ALL_FEATURES_BUT_LATENT,
-        # (a mixed batch's launches depend on host values: two launches, tile shapes)
-        cudagraph_support=AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
+        # (a batch of one query length captures one launch whose grid and tiles depend
+        # only on its padded shape: decodes, and steps verifying drafts, whose chunks of
+        # at most that length it also serves; a mixed step's launches depend on host
+        # values, so mixed steps run eager)
+        cudagraph_support=AttentionCGSupport.UNIFORM_BATCH,
     )
 )
 register_attention_backend(
