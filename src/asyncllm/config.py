@@ -329,8 +329,8 @@ class EngineArgs:
     the request's own context (the longest recurring suffix) and verifies them in one
     forward pass; the output is what the model would give without it. Requests admitted
     while "disable_by_batch_size" (default 16) or more are in the engine do not
-    speculate, and none drafts while that many are running. Not with pipeline parallelism, logits processors or structured outputs
-    yet (requests with a grammar do not speculate)."""
+    speculate, and none drafts while that many are running. Not with pipeline
+    parallelism or structured outputs yet (requests with a grammar do not speculate)."""
     max_logprobs: int = 20
     """The most logprobs (or prompt_logprobs) a request may ask for."""
     max_waiting_requests: int | None = None

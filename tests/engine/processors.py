@@ -64,6 +64,34 @@ class NoRepeat(LogitsProcessor):
         return logits
 
 
+class CycleTokens(LogitsProcessor):
+    """Requests with extra_args={'cycle': [a, b, ...]} produce the cycle's token at their
+    output position's place in it (a bias of 1e4): what it gives depends on how many
+    tokens the request has produced, read from the live output ids."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        super().__init__(vocab_size, device)
+        self.requests: dict[int, tuple[list[int], list[int]]] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def add_request(self, row, params, prompt_ids, output_ids) -> None:
+        cycle = (params.extra_args or {}).get("cycle")
+        if cycle:
+            self.requests[row] = ([int(t) for t in cycle], output_ids)
+
+    def remove_request(self, row: int) -> None:
+        self.requests.pop(row, None)
+
+    def apply(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        for i, row in enumerate(rows):
+            if row in self.requests:
+                cycle, out = self.requests[row]
+                logits[i, cycle[len(out) % len(cycle)]] += 1e4
+        return logits
+
+
 class RecordLogits(LogitsProcessor):
     """Changes nothing; keeps each logits row it sees (float32, on the host), keyed by
     the request's prompt and how many tokens it had produced: two engines' logits for

@@ -143,3 +143,42 @@ def test_padded_verification_steps_compute_what_unpadded_ones_do(tiny_folder):
     verified = {size for size, q in shapes if q == 5}
     assert verified and verified <= {2, 4, 8}, shapes
     assert any(q == 1 and size is not None for size, q in shapes)  # (padded decodes too)
+
+
+def _with_processors() -> list[EngineCoreRequest]:
+    """Requests steered by processors that read the output ids: a cycle of tokens that
+    the prompt repeats (so drafts of it are right only where each draft position counts
+    the drafts before it), and no immediate repeats, greedy and seeded."""
+    cycle = [11, 12, 13, 14]
+    reqs = [
+        _request("cycle", cycle * 4, 24, extra_args={"cycle": cycle}),
+        _request(
+            "cycle-seeded",
+            [7] + cycle * 3,
+            20,
+            temperature=0.9,
+            seed=5,
+            extra_args={"cycle": cycle[::-1]},
+        ),  # fmt: skip
+        _request("no-repeat", _prompt(1, 30), 20, extra_args={"no_repeat": True}),
+        _request(
+            "no-repeat-seeded",
+            _prompt(2, 30),
+            20,
+            temperature=0.8,
+            seed=9,
+            extra_args={"no_repeat": True},
+        ),  # fmt: skip
+    ]
+    return reqs + _workload()[:3]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_logits_processors_see_the_drafts_before_each_position(tiny_folder, async_scheduling):
+    procs = ["tests.engine.processors:CycleTokens", "tests.engine.processors:NoRepeat"]
+    kw = dict(workload=_with_processors, logits_processors=procs, async_scheduling=async_scheduling)
+    want, _ = _outputs(tiny_folder, None, **kw)
+    got, stats = _outputs(tiny_folder, SPEC, **kw)
+    _same(got, want)
+    assert want["cycle"][0] == ([11, 12, 13, 14] * 6)  # (the processor steered it)
+    assert stats.spec_num_accepted_tokens >= 8

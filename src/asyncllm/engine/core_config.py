@@ -250,8 +250,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
 def speculative_config(args: EngineArgs, model: ModelConfig) -> SpeculativeConfig | None:
     """EngineArgs.speculative_config (checked already) for the scheduler; a ValueError
     where it cannot run yet: pipeline parallelism (a stage does not hold the tokens it
-    would draft from), logits processors (they would see no drafts), latent-attention
-    models (untested)."""
+    would draft from), latent-attention models (untested)."""
     spec = args.speculative_config
     if spec is None:
         return None
@@ -260,8 +259,6 @@ def speculative_config(args: EngineArgs, model: ModelConfig) -> SpeculativeConfi
             f"speculative_config is not supported with pipeline_parallel_size="
             f"{args.pipeline_parallel_size} yet"
         )
-    if args.logits_processors:
-        raise ValueError("speculative_config cannot be combined with logits_processors yet")
     if getattr(model.hf_config, "kv_lora_rank", None) is not None:
         raise ValueError(
             f"speculative_config: {model.architecture} uses latent attention (MLA), "

@@ -22,7 +22,7 @@ import torch
 
 from asyncllm.envs import flashinfer_sampling_enabled
 from asyncllm.sample import ops
-from asyncllm.sample.logits_processor import LogitsProcessor
+from asyncllm.sample.logits_processor import DraftPrefixes, LogitsProcessor, apply_processor
 
 
 @dataclass
@@ -44,6 +44,8 @@ class SamplingMetadata:
     blocked_tokens: list[tuple[int, list[int]]] = field(default_factory=list)  # (index, ids)
     max_num_logprobs: int | None = None
     rows: list[int] = field(default_factory=list)  # persistent-batch rows, for processors
+    # Rows at draft positions, for processors (`logits_processor.apply_processor`)
+    draft_prefixes: DraftPrefixes | None = None
 
 
 @dataclass
@@ -105,7 +107,7 @@ class Sampler:
         for i, ids in md.blocked_tokens:
             ops.block_tokens_(logits[i], ids)
         for proc in self.argmax_changing:
-            logits = proc.apply(logits, md.rows)
+            logits = apply_processor(proc, logits, md.rows, md.draft_prefixes)
         if md.repetition_penalty is not None:
             assert md.seen_mask is not None, "a repetition penalty needs seen_mask"
             logits = ops.apply_repetition_penalty(logits, md.seen_mask, md.repetition_penalty)
@@ -124,7 +126,7 @@ class Sampler:
         if md.min_p is not None:
             logits = ops.apply_min_p(logits, md.min_p)
         for proc in self.argmax_invariant:
-            logits = proc.apply(logits, md.rows)
+            logits = apply_processor(proc, logits, md.rows, md.draft_prefixes)
         if (md.top_k is not None or md.top_p is not None) and self.use_flashinfer(logits):
             return self.sample_top_k_top_p_flashinfer(logits, md)
         return self.sample_top_k_top_p_torch(logits, md)

@@ -189,6 +189,12 @@ class StepSampler:
         md = self.sampling.metadata(all_states, all_rows, rows_dev, pending, extra_counts)
         if self.processors:
             md.rows = all_rows.tolist()
+            if spec:  # (row o + j - 1 follows drafts 0..j-1)
+                md.draft_prefixes = {
+                    o + j - 1: (states[k].output_token_ids, d[:j])
+                    for k, o, d in _extra_rows(n, spec)
+                    for j in range(1, len(d) + 1)
+                }
         result = self.sampler(logits, md)
         tokens = result.token_ids
         # (a request's first row always gives its first new token; draft rows count once
