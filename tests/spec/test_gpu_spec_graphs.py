@@ -1,16 +1,19 @@
 """Steps verifying drafts replayed as CUDA graphs (SmolLM2 from the embedded GGUF,
 float32): greedy outputs with verification graphs equal those of eager verification
 and of no speculation at all under DESIGN.md's tie rule, over batches that pad to
-captured sizes and requests whose draft counts differ within a step."""
+captured sizes and requests whose draft counts differ within a step; a constrained
+request in those steps stays valid."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import re
 
 import pytest
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.sampling_params import StructuredOutputsParams as S
 from tests.spec.test_spec_smollm import PASSAGE
 
 pytestmark = [
@@ -80,6 +83,15 @@ def test_verification_graphs_equal_eager_and_no_speculation(smollm_tokenizer):
                         ties += 1
                 assert ties <= 1, (n, ties)
             assert g.verify_replays > before, n  # (verification steps replayed graphs)
+        # A constrained request (it does not draft) in verification graphs' steps: its
+        # bitmask masks its own row of the graph's logits.
+        prompts = _prompts(smollm_tokenizer, 4)
+        params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)] * 4
+        params[1] = SamplingParams(max_tokens=12, structured_outputs=S(regex="[0-9]{12}"))
+        before = g.verify_replays
+        outs = graphs.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert re.fullmatch("[0-9]{12}", outs[1].outputs[0].text), outs[1].outputs[0].text
+        assert g.verify_replays > before
         stats = graphs.get_stats()
         assert stats["spec_num_accepted_tokens"] > 0
         assert stats["num_free_blocks"] == stats["num_blocks"]

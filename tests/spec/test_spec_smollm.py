@@ -1,15 +1,27 @@
 """Speculative decoding on the embedded SmolLM2 (float32, CPU) through `LLM`: the
 request features that pass the frontend give what they give without drafts: n > 1
 seeded samples, logprobs and prompt logprobs (within 1e-4), stop strings; on a prompt
-that asks the model to repeat a passage, most drafts are accepted."""
+that asks the model to repeat a passage, most drafts are accepted; constrained requests
+(which do not draft) stay valid beside requests that verify drafts."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.sampling_params import StructuredOutputsParams as S
+from tests.engine.test_structured_outputs import (
+    CHOICES,
+    GRAMMAR,
+    PROMPT,
+    REGEXES,
+    SCHEMAS,
+    _check_json,
+    _json_params,
+)
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
         "prompt_lookup_max": 4}  # fmt: skip
@@ -68,6 +80,35 @@ def test_features_equal_speculation_off(llm, spec_llm, smollm_tokenizer):
         if params.prompt_logprobs is not None:
             _same_logprobs(got.prompt_logprobs, want.prompt_logprobs)
     assert want.outputs[0].finish_reason == "stop"  # (the stop string was met)
+    stats = spec_llm.get_stats()
+    assert stats["spec_num_accepted_tokens"] > before
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_constrained_requests_stay_valid_beside_speculating_ones(spec_llm, smollm_tokenizer):
+    """JSON schemas, regexes, a choice and a grammar in the same steps as a request that
+    verifies drafts: each constrained output holds its constraint (they do not draft
+    themselves), and the unconstrained one's drafts are kept."""
+    params = [_json_params(s, temperature=0.0) for s in SCHEMAS[:6]]
+    params += [SamplingParams(max_tokens=32, temperature=0.0, structured_outputs=S(regex=r))
+               for r in REGEXES[:3]]  # fmt: skip
+    params.append(SamplingParams(max_tokens=8, structured_outputs=S(choice=CHOICES)))
+    params.append(SamplingParams(max_tokens=16, structured_outputs=S(grammar=GRAMMAR)))
+    repeat = smollm_tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this code exactly:\n\n{PASSAGE}"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    prompts = [PROMPT] * len(params) + [repeat]
+    params.append(SamplingParams(temperature=0.0, max_tokens=40))
+    before = spec_llm.get_stats()["spec_num_accepted_tokens"]
+    texts = [o.outputs[0].text for o in spec_llm.generate(prompts, params, use_tqdm=False)]
+    for text, schema in zip(texts, SCHEMAS[:6]):
+        _check_json(text, schema)
+    for text, regex in zip(texts[6:9], REGEXES[:3]):
+        assert re.fullmatch(regex, text), (regex, text)
+    assert texts[9] in CHOICES
+    assert re.fullmatch(r"The answer is [0-9]\.", texts[10])
     stats = spec_llm.get_stats()
     assert stats["spec_num_accepted_tokens"] > before
     assert stats["num_free_blocks"] == stats["num_blocks"]

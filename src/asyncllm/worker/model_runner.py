@@ -330,7 +330,7 @@ class ModelRunner:
         prompt_logprobs = self.step_sampler.prompt_logprobs(
             self.loaded_model(), hidden, prompt_rows
         )
-        graphed = self._logits_graphed(logits)
+        graphed = self._logits_graphed(logits, inputs)
         self.grammar.mask_logits(so, sync, inputs, logits, graphed, done)
         try:
             groups, sample_failed = self._sample(inputs, logits, result)
@@ -344,9 +344,14 @@ class ModelRunner:
             prompt_logprobs.pop(rid, None)
         result.sampled(groups, sample_failed, prompt_logprobs, done)
 
-    def _logits_graphed(self, logits: torch.Tensor) -> bool:
-        """Whether `logits` are the decode graphs' output (an address that stays)."""
-        return self.graph_logits is not None and logits.data_ptr() == self.graph_logits.data_ptr()
+    def _logits_graphed(self, logits: torch.Tensor, inputs: StepInputs) -> bool:
+        """Whether `logits` are a decode graph's output (an address that stays, one row
+        per request; a verification graph's have more rows than the step has masks)."""
+        return (
+            inputs.graph_query_len == 1
+            and self.graph_logits is not None
+            and logits.data_ptr() == self.graph_logits.data_ptr()
+        )
 
     def _sample(
         self, inputs: StepInputs, logits: torch.Tensor, result: StepResult
