@@ -151,7 +151,7 @@ def test_speculative_config_is_completed_as_vllm_completes_it() -> None:
 
     assert spec(num_speculative_tokens=3) == {
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5,
-        "prompt_lookup_max": 5, "disable_by_batch_size": 16,
+        "prompt_lookup_max": 5, "disable_by_batch_size": 8,
     }  # fmt: skip
     assert spec(num_speculative_tokens=2, prompt_lookup_max=4)["prompt_lookup_min"] == 4
     assert spec(num_speculative_tokens=2, prompt_lookup_min=2)["prompt_lookup_max"] == 2

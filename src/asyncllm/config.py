@@ -108,7 +108,9 @@ class SchedulerConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "ngram_gpu")  # (one method: prompt lookup)
-DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 16
+# (measured on an H100 with SmolLM2: speculation paid up to batch 6, lost from 8 on;
+# docs/benchmarks.md)
+DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 8
 
 
 @dataclass(frozen=True)
@@ -328,7 +330,7 @@ class EngineArgs:
     "prompt_lookup_min": 2, "prompt_lookup_max": 5} drafts up to k tokens per step from
     the request's own context (the longest recurring suffix) and verifies them in one
     forward pass; the output is what the model would give without it. Requests admitted
-    while "disable_by_batch_size" (default 16) or more are in the engine do not
+    while "disable_by_batch_size" (default 8) or more are in the engine do not
     speculate, and none drafts while that many are running. Not with pipeline
     parallelism or structured outputs yet (requests with a grammar do not speculate)."""
     max_logprobs: int = 20

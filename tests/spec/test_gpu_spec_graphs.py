@@ -22,7 +22,7 @@ pytestmark = [
 ]
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-        "prompt_lookup_max": 4}  # fmt: skip
+        "prompt_lookup_max": 4, "disable_by_batch_size": 16}  # fmt: skip
 ENGINE = dict(device="cuda", dtype="float32", max_model_len=1024, multiprocess=False,
               gpu_memory_utilization=0.15, max_num_seqs=32)  # fmt: skip
 BATCHES = (1, 3, 9)

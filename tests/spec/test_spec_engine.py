@@ -15,8 +15,9 @@ from asyncllm.messages import EngineCoreRequest
 from tests.engine.test_async_scheduling import _core, _request, _run, _summary
 from tests.model.tiny import make_tiny_model
 
+# (every request of the workloads below speculates: fewer than 16 at once)
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3}  # fmt: skip
+        "prompt_lookup_max": 3, "disable_by_batch_size": 16}  # fmt: skip
 VOCAB = 384
 
 

@@ -24,7 +24,7 @@ from tests.engine.test_structured_outputs import (
 )
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-        "prompt_lookup_max": 4}  # fmt: skip
+        "prompt_lookup_max": 4, "disable_by_batch_size": 16}  # fmt: skip
 PASSAGE = (
     "def area(r):\n    return 3.14159 * r * r\n\ndef perimeter(r):\n    return 2 * 3.14159 * r\n"
 )

@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--prompt-lookup-min", type=int, default=2, help="default 2")
     g.add_argument("--prompt-lookup-max", type=int, default=5, help="default 5")
     g.add_argument(
-        "--disable-by-batch-size", type=int, default=None, help="default: the engine's (16)"
+        "--disable-by-batch-size", type=int, default=None, help="default: the engine's (8)"
     )
     g.add_argument(
         "--workloads", nargs="+", default=["grounded", "open"], choices=["grounded", "open"]
