@@ -331,8 +331,8 @@ class EngineArgs:
     the request's own context (the longest recurring suffix) and verifies them in one
     forward pass; the output is what the model would give without it. Requests admitted
     while "disable_by_batch_size" (default 8) or more are in the engine do not
-    speculate, and none drafts while that many are running. Not with pipeline
-    parallelism or structured outputs yet (requests with a grammar do not speculate)."""
+    speculate, and none drafts while that many are running. A constrained request's
+    drafts are checked by its grammar. Not with pipeline parallelism yet."""
     max_logprobs: int = 20
     """The most logprobs (or prompt_logprobs) a request may ask for."""
     max_waiting_requests: int | None = None

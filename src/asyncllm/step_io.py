@@ -98,9 +98,11 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     # Structured outputs: row i of the bitmask (int32, 32 tokens a word; a set bit allows
-    # the token) constrains the token that structured_req_ids[i] samples this step. The
-    # bitmask is the first len(structured_req_ids) rows of the structured manager's
-    # shared buffer `grammar_buffer` (0 or 1; None: no bitmask).
+    # the token) constrains the token that structured_req_ids[i] samples this step; then
+    # come one row per draft of those that verify drafts, in the same order (the row of
+    # draft j: what may follow drafts 0..j; `grammar_rows`). The bitmask is the first
+    # rows of the structured manager's shared buffer `grammar_buffer` (0 or 1; None: no
+    # bitmask).
     structured_req_ids: list[str] = field(default_factory=list)
     grammar_buffer: int | None = None
     # The bitmask is filled after the launch: the runner queues the forward and samples
@@ -119,6 +121,19 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    def grammar_rows(self) -> tuple[int, dict[str, int]]:
+        """The bitmask's rows, and the first draft row of each constrained request that
+        verifies drafts (after one row per constrained request)."""
+        rows, first = len(self.structured_req_ids), {}
+        drafts = self.scheduled_spec_decode_tokens
+        if drafts:
+            for rid in self.structured_req_ids:
+                d = drafts.get(rid)
+                if d:
+                    first[rid] = rows
+                    rows += len(d)
+        return rows, first
 
 
 @dataclass

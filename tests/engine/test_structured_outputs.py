@@ -1248,7 +1248,7 @@ def test_a_step_split_over_threads_fills_and_refuses_as_one_call():
     def run(threads: StepThreads) -> tuple[torch.Tensor, list[list[int]]]:
         matchers = [xgr.GrammarMatcher(grammars[i % 2]) for i in range(rows + 1)]
         bitmask = torch.zeros(rows, -(-len(tok) // 32), dtype=torch.int32)
-        fills = [(rows - 1 - i, m) for i, m in enumerate(matchers[:rows])]  # (rows reversed)
+        fills = [(rows - 1 - i, m, [], 0) for i, m in enumerate(matchers[:rows])]  # (reversed)
         refused_each = []
         for step in range(max(map(len, steps))):
             accepts = []

@@ -2,7 +2,7 @@
 float32): greedy outputs with verification graphs equal those of eager verification
 and of no speculation at all under DESIGN.md's tie rule, over batches that pad to
 captured sizes and requests whose draft counts differ within a step; a constrained
-request in those steps stays valid."""
+request that drafts in those steps stays valid and gives what it gives without."""
 
 from __future__ import annotations
 
@@ -32,6 +32,13 @@ def _runner(llm: LLM):
     return llm.engine.client.core.executor.worker.runner
 
 
+def _chat(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
 def _prompts(tokenizer, n: int) -> list[list[int]]:
     """Requests to repeat passages (most drafts kept) and to continue text (fewer)."""
     out = []
@@ -40,10 +47,7 @@ def _prompts(tokenizer, n: int) -> list[list[int]]:
             text = f"Write a short story about a robot named Unit {i}."
         else:
             text = f"Repeat this code exactly, then stop:\n\n{PASSAGE * (1 + i % 2)}"
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
-        out.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+        out.append(_chat(tokenizer, text))
     return out
 
 
@@ -83,14 +87,17 @@ def test_verification_graphs_equal_eager_and_no_speculation(smollm_tokenizer):
                         ties += 1
                 assert ties <= 1, (n, ties)
             assert g.verify_replays > before, n  # (verification steps replayed graphs)
-        # A constrained request (it does not draft) in verification graphs' steps: its
-        # bitmask masks its own row of the graph's logits.
+        # A constrained request that drafts (a number to repeat), in verification graphs'
+        # steps: the bitmask masks its rows, its draft rows included, of the graph's logits.
         prompts = _prompts(smollm_tokenizer, 4)
+        prompts[1] = _chat(smollm_tokenizer, "Repeat this number: 31415926535897932384")
         params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)] * 4
-        params[1] = SamplingParams(max_tokens=12, structured_outputs=S(regex="[0-9]{12}"))
+        params[1] = SamplingParams(max_tokens=24, structured_outputs=S(regex="[0-9]{20}"))
         before = g.verify_replays
         outs = graphs.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        assert re.fullmatch("[0-9]{12}", outs[1].outputs[0].text), outs[1].outputs[0].text
+        (want,) = plain.generate([{"prompt_token_ids": prompts[1]}], params[1], use_tqdm=False)
+        assert re.fullmatch("[0-9]{20}", outs[1].outputs[0].text), outs[1].outputs[0].text
+        assert outs[1].outputs[0].token_ids == want.outputs[0].token_ids
         assert g.verify_replays > before
         stats = graphs.get_stats()
         assert stats["spec_num_accepted_tokens"] > 0

@@ -2,10 +2,11 @@
 request features that pass the frontend give what they give without drafts: n > 1
 seeded samples, logprobs and prompt logprobs (within 1e-4), stop strings; on a prompt
 that asks the model to repeat a passage, most drafts are accepted; constrained requests
-(which do not draft) stay valid beside requests that verify drafts."""
+draft (their grammars check the drafts), stay valid and give what they give without."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -87,8 +88,7 @@ def test_features_equal_speculation_off(llm, spec_llm, smollm_tokenizer):
 
 def test_constrained_requests_stay_valid_beside_speculating_ones(spec_llm, smollm_tokenizer):
     """JSON schemas, regexes, a choice and a grammar in the same steps as a request that
-    verifies drafts: each constrained output holds its constraint (they do not draft
-    themselves), and the unconstrained one's drafts are kept."""
+    verifies drafts: each constrained output holds its constraint, and drafts are kept."""
     params = [_json_params(s, temperature=0.0) for s in SCHEMAS[:6]]
     params += [SamplingParams(max_tokens=32, temperature=0.0, structured_outputs=S(regex=r))
                for r in REGEXES[:3]]  # fmt: skip
@@ -111,4 +111,60 @@ def test_constrained_requests_stay_valid_beside_speculating_ones(spec_llm, smoll
     assert re.fullmatch(r"The answer is [0-9]\.", texts[10])
     stats = spec_llm.get_stats()
     assert stats["spec_num_accepted_tokens"] > before
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+RECORD = {
+    "name": "Ada Lovelace",
+    "city": "London",
+    "born": 1815,
+    "languages": ["English", "French"],
+}
+RECORD_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "city": {"type": "string"},
+        "born": {"type": "integer"},
+        "languages": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "city", "born", "languages"],
+    "additionalProperties": False,
+}
+
+
+def test_constrained_requests_draft_and_give_what_they_give_without(
+    llm, spec_llm, smollm_tokenizer
+):
+    """Constrained requests whose output is mostly in their prompt draft it: each draft
+    is checked by its grammar (a row of the bitmask per draft position), drafts are
+    kept, and the outputs, greedy and seeded, are the ones they are without drafts."""
+
+    def chat(text: str) -> str:
+        return smollm_tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+
+    prompts = [
+        chat(f"Write this record as JSON, exactly as it is: {json.dumps(RECORD)}"),
+        chat(f"Write this record as JSON, exactly as it is: {json.dumps(RECORD)}"),
+        chat("Repeat this number: 31415926535897932384"),
+    ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=S(json=RECORD_SCHEMA)),
+        SamplingParams(
+            temperature=0.7, seed=3, max_tokens=60, structured_outputs=S(json=RECORD_SCHEMA)
+        ),  # fmt: skip
+        SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=S(regex="[0-9]{20}")),
+    ]
+    want = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    before = spec_llm.get_stats()["spec_num_accepted_tokens"]
+    got = [o.outputs[0] for o in spec_llm.generate(prompts, params, use_tqdm=False)]
+    assert spec_llm.get_stats()["spec_num_accepted_tokens"] - before >= 10
+    for g, w in zip(got, want):
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+    _check_json(got[0].text, RECORD_SCHEMA)
+    _check_json(got[1].text, RECORD_SCHEMA)
+    assert re.fullmatch("[0-9]{20}", got[2].text)
+    stats = spec_llm.get_stats()
     assert stats["num_free_blocks"] == stats["num_blocks"]

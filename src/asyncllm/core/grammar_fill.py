@@ -2,7 +2,9 @@
 
 A constrained request waits here while its grammar compiles (`compiling`), then joins
 the scheduler's waiting queue. Each step that samples a constrained request gets a row
-of a grammar bitmask (one of the structured manager's two shared buffers, named in
+(and one per draft it verifies: the grammar's mask after the drafts before it; a draft
+its grammar refuses is rejected by its own row's mask, and the rows after it allow
+every token) of a grammar bitmask (one of the structured manager's two shared buffers, named in
 `SchedulerOutput.grammar_buffer` by index): filled at once when every matcher has seen
 its request's tokens, or later (`masks_due`, `plan_grammar_fill`) when a token is still
 in flight. The tokens the scheduler keeps (`note_kept`) are accepted by the matchers just
@@ -20,6 +22,7 @@ from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as futures_wait
 from typing import TYPE_CHECKING, Any
 
+from asyncllm.config import SchedulerConfig
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.step_plan import Scheduled
 from asyncllm.messages import ErrorKind
@@ -30,9 +33,22 @@ if TYPE_CHECKING:
     from asyncllm.structured.manager import (
         Accepts,
         FillJob,
+        Rows,
         StructuredOutputManager,
         StructuredRequest,
     )
+
+
+def structured_rows(config: SchedulerConfig) -> int:
+    """The most bitmask rows a step needs: one per request, and one per draft of the
+    requests that draft (fewer than the speculation limit at once)."""
+    spec = config.speculative
+    drafting = 0 if spec is None else min(spec.disable_by_batch_size - 1, config.max_num_seqs)
+    return config.max_num_seqs + drafting * (spec.num_speculative_tokens if spec else 0)
+
+
+# Per constrained request of a step, in order: its drafts and its first draft row
+DraftRows = list[tuple[list[int], int]]
 
 
 class GrammarFill:
@@ -50,14 +66,15 @@ class GrammarFill:
         self._fail = fail
         self.compiling: list[Request] = []  # waiting for their grammars, not yet queued
         # Steps whose grammar bitmask is still to fill (see `masks_due`): their
-        # constrained requests, by bitmask row, and the bitmask.
-        self._masks_due: dict[int, tuple[list[Request], Any]] = {}
+        # constrained requests, by bitmask row, their draft rows, and the bitmask.
+        self._masks_due: dict[int, tuple[list[Request], DraftRows, Any]] = {}
         # Tokens kept since the last fill, for the matchers to accept first (see
         # `_fill_masks`).
         self._accepts: Accepts = []
         # Steps whose tokens were queued for the matchers before their results were
-        # applied (`plan_grammar_fill(ahead=...)`): their update takes none.
-        self._accepted_ahead: set[int] = set()
+        # applied (`plan_grammar_fill(ahead=...)`), with the requests (by `id`) whose
+        # tokens went: their update takes none of those.
+        self._accepted_ahead: dict[int, set[int]] = {}
 
     @property
     def stop_token_ids(self) -> frozenset[int]:
@@ -110,15 +127,21 @@ class GrammarFill:
 
     def plan_masks(self, out: SchedulerOutput, structured: list[Request], lagging: bool) -> None:
         """Gives the step `out` a bitmask for its constrained requests (by row, in
-        batch order): filled now, or by `plan_grammar_fill` where `lagging` (a matcher
-        has yet to see a token in flight)."""
+        batch order), then one row per draft of those that verify drafts (in the same
+        order: `SchedulerOutput.grammar_rows`): filled now, or by `plan_grammar_fill`
+        where `lagging` (a matcher has yet to see a token in flight)."""
         assert self.structured is not None
-        out.grammar_buffer, bitmask = self.structured.take_bitmask(len(structured))
         out.structured_req_ids = [r.request_id for r in structured]
+        rows, first = out.grammar_rows()
+        drafts = out.scheduled_spec_decode_tokens
+        draft_rows = [
+            (drafts.get(r.request_id, []), first.get(r.request_id, rows)) for r in structured
+        ]
+        out.grammar_buffer, bitmask = self.structured.take_bitmask(rows)
         if lagging:
-            self._masks_due[id(out)] = (structured, bitmask)
+            self._masks_due[id(out)] = (structured, draft_rows, bitmask)
         else:
-            self._fill_masks(out, structured, bitmask)
+            self._fill_masks(out, structured, draft_rows, bitmask)
 
     def drop(self, sched: SchedulerOutput) -> None:
         """Forgets a step that will never run (its bitmask is not filled)."""
@@ -143,10 +166,10 @@ class GrammarFill:
         due = self._masks_due.pop(id(sched), None)
         if due is None:
             return None
-        structured, bitmask = due
+        structured, draft_rows, bitmask = due
         accepts = self.ahead_accepts(ahead, record)
         return self._fill_masks(
-            sched, structured, bitmask, wait=False, ahead=accepts, device=device
+            sched, structured, draft_rows, bitmask, wait=False, ahead=accepts, device=device
         )
 
     def ahead_accepts(
@@ -155,35 +178,37 @@ class GrammarFill:
         """The constrained requests of the step in flight `ahead` (`record`, its
         scheduler's record) whose tokens its update will keep, as far as is known before
         it has run (`give_grammar_tokens` drops those the runner failed or that ended
-        since), with their constraints; the step is then marked as sent ahead."""
+        since), with their constraints; the step is then marked as sent ahead. Not
+        those that verify drafts in it (their tokens are several, and they are not in
+        the step being filled: each waits for its verification): their update queues
+        their tokens, as usual."""
         if ahead is None or record is None or self.structured is None:
             return []
         if id(ahead) in self._accepted_ahead:
             return []  # (sent ahead already: a device's hand-over that went on)
-        self._accepted_ahead.add(id(ahead))
         running = RequestStatus.RUNNING
-        return [
+        verifying = ahead.scheduled_spec_decode_tokens
+        accepts = [
             (req, req.structured)
             for req, _, samples, preemptions in record
             if samples
             and req.structured is not None
             and req.status == running
             and req.num_preemptions == preemptions
+            and req.request_id not in verifying
         ]
+        self._accepted_ahead[id(ahead)] = {id(req) for req, _ in accepts}
+        return accepts
 
     def accept_when_applied(self, sched: SchedulerOutput) -> None:
         """The step's tokens go to its matchers when it is applied after all: the fill
         `plan_grammar_fill` sent ahead of them never got them (its launch failed)."""
-        self._accepted_ahead.discard(id(sched))
+        self._accepted_ahead.pop(id(sched), None)
 
-    def take_accepted_ahead(self, sched: SchedulerOutput) -> bool:
-        """Whether the step sent its tokens ahead (its update then queues none for the
-        matchers); forgets it."""
-        key = id(sched)
-        if key in self._accepted_ahead:
-            self._accepted_ahead.discard(key)
-            return True
-        return False
+    def take_accepted_ahead(self, sched: SchedulerOutput) -> set[int]:
+        """The requests (by `id`) whose tokens of the step went ahead (its update then
+        queues none of theirs for the matchers); forgets the step."""
+        return self._accepted_ahead.pop(id(sched), set())
 
     @property
     def has_accepted_ahead(self) -> bool:
@@ -216,6 +241,7 @@ class GrammarFill:
         self,
         sched: SchedulerOutput,
         structured: list[Request],
+        draft_rows: DraftRows,
         bitmask: Any,
         wait: bool = True,
         ahead: list[tuple[Request, StructuredRequest]] | None = None,
@@ -229,12 +255,13 @@ class GrammarFill:
         assert self.structured is not None  # (it made their constraints)
         accepts, self._accepts = self._accepts, []
         running = RequestStatus.RUNNING
-        rows = []
-        for row, req in enumerate(structured):
+        rows: Rows = []
+        for row, (req, (drafts, first)) in enumerate(zip(structured, draft_rows, strict=True)):
             if req.status == running:
-                rows.append((row, req.structured))
-            else:
-                bitmask.numpy()[row] = -1  # (allows all: its token is dropped)
+                rows.append((row, req.structured, drafts, first))
+            else:  # (allows all: its tokens are dropped)
+                bitmask.numpy()[row] = -1
+                bitmask.numpy()[first : first + len(drafts)] = -1
         try:
             job = self.structured.start_fill(bitmask, rows, accepts, ahead, device)
         except GrammarProcessError as e:

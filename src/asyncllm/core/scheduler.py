@@ -588,7 +588,7 @@ class Scheduler:
         finished requests are freed (the runner hears of them next step). Requests that
         ended or were preempted since `sched` was made get nothing, even if a new
         request took the id in the meantime; blocks held for this step are released."""
-        accept = not self.grammar.take_accepted_ahead(sched)
+        sent_ahead = self.grammar.take_accepted_ahead(sched)  # (their matchers have them)
         record = self._in_flight.pop(id(sched), None)
         if record is None:
             return []
@@ -609,13 +609,14 @@ class Scheduler:
                     unwritten = self.kv.blocks_from(req.request_id, computed_before)
                     req.num_computed_tokens = computed_before
                     outputs.append(self._fail(req, ErrorKind.FAILED, reason))
-                    self._recompute_readers(unwritten, rebuild_matchers=not accept)
+                    self._recompute_readers(unwritten, rebuild_matchers=bool(sent_ahead))
                 else:
                     drafts = sched.scheduled_spec_decode_tokens.get(req.request_id)
                     if drafts is not None:
                         assert self.spec is not None
                         k = len(runner.sampled_token_ids.get(req.request_id, ()))
                         self.spec.verified(req, k, computed_before, len(drafts), self.stats)
+                    accept = id(req) not in sent_ahead
                     out = self._update_request(req, runner, accept, computed_before)
                     if drafts and out is not None and out.new_token_ids:
                         # (tokens generated: the step counted its first as a decode)

@@ -3,7 +3,8 @@ draft, how many drafts a decoding request gets in a step, and what a verifying s
 gives back. The scheduler allocates, records and applies the steps; this decides.
 
 A request speculates if fewer than `disable_by_batch_size` requests were in the engine
-when it was added and it has no grammar (decided once, for its life). No request drafts
+when it was added (decided once, for its life). A constrained request's drafts are
+checked by its grammar with its step's bitmask (core/grammar_fill.py). No request drafts
 in a step while that many are running: verifying drafts would cost more than they
 save. Outputs never depend on either: verification keeps a draft only where it equals
 the token the model samples there.
@@ -31,9 +32,7 @@ class Speculation:
 
     def admit(self, request: Request, num_requests: int) -> None:
         """Decides, once, whether `request` (added beside `num_requests`) speculates."""
-        request.speculates = (
-            num_requests < self.limit and request.sampling_params.structured_outputs is None
-        )
+        request.speculates = num_requests < self.limit
 
     def forget(self, request: Request) -> None:
         if request.speculates:

@@ -17,6 +17,7 @@ from collections import deque
 import torch
 
 from asyncllm.config import EngineConfig
+from asyncllm.core.grammar_fill import structured_rows
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.kv_cache_utils import BlockHasher
 from asyncllm.core.request import Request, RequestStatus
@@ -68,7 +69,7 @@ class EngineCore:
             None if config.skip_tokenizer_init else config.model.tokenizer,
             self.vocab_size or 0,
             pin_memory=config.model.device.type == "cuda",
-            max_rows=config.scheduler.max_num_seqs,
+            max_rows=structured_rows(config.scheduler),
         )
         # The worker finds the bitmask and the handshake's memory that each step names by
         # index; the manager waits for the worker's copy before it reuses a buffer.

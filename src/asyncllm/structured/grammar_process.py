@@ -125,6 +125,29 @@ def raw_batch_accept(xgr: Any) -> Any:
     return lambda matchers, tokens: raw([m._handle for m in matchers], tokens, False)
 
 
+# A row to fill: (row, matcher, drafts, first draft row)
+Fill = tuple[int, Any, list[int], int]
+
+
+def fill_draft_rows(matcher: Any, drafts: list[int], bitmask: Any, first: int) -> None:
+    """Row `first + j` of `bitmask`: the tokens `matcher` allows after drafts 0..j, as if
+    it had accepted them. From a draft it refuses (or one that ends it) on, the rows
+    allow every token: verification rejects that draft by its own row (filled before
+    it), so what follows it is never kept. The matcher is then back where it was."""
+    taken = 0
+    for j, token in enumerate(drafts):
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            bitmask[first + j : first + len(drafts)] = -1
+            break
+        taken += 1
+        if matcher.is_terminated():
+            bitmask[first + j] = -1
+        else:
+            matcher.fill_next_token_bitmask(bitmask, first + j)
+    if taken:
+        matcher.rollback(taken)
+
+
 class StepThreads:
     """A step's accepts and bitmask fill on up to `threads` threads: this one and
     `threads - 1` made once, each woken by its own semaphore. Part i takes every k-th
@@ -149,20 +172,19 @@ class StepThreads:
             name = f"asyncllm-grammar-fill-{i}"
             threading.Thread(target=self._serve, args=(i,), name=name, daemon=True).start()
 
-    def run(
-        self, accepts: list[tuple[Any, int]], fills: list[tuple[int, Any]], bitmask: Any
-    ) -> list[int]:
+    def run(self, accepts: list[tuple[Any, int]], fills: list[Fill], bitmask: Any) -> list[int]:
         """Each matcher of `accepts` ((matcher, token), in order) takes its token, then
-        each matcher of `fills` ((row, matcher)) fills its row of `bitmask` (a row whose
-        matcher a token of `accepts` ended allows every token: its request is over); the
-        positions in `accepts` of the tokens refused, ascending. Raises what xgrammar
-        raised (the parts that ran are done)."""
+        each matcher of `fills` ((row, matcher, drafts, first draft row)) fills its row
+        of `bitmask` (a row whose matcher a token of `accepts` ended allows every token:
+        its request is over), and one row per draft (`fill_draft_rows`); the positions
+        in `accepts` of the tokens refused, ascending. Raises what xgrammar raised (the
+        parts that ran are done)."""
         k = min(len(self.batchers), max(1, len(fills) // MIN_ROWS_PER_THREAD))
-        if k > 1 and len({id(m) for _, m in fills}) < len(fills):
+        if k > 1 and len({id(f[1]) for f in fills}) < len(fills):
             k = 1  # (a matcher with two rows: its rows on one thread)
         if k == 1:
             return self._part(0, list(range(len(accepts))), accepts, fills, bitmask)
-        part_of = {id(m): i % k for i, (_, m) in enumerate(fills)}
+        part_of = {id(f[1]): i % k for i, f in enumerate(fills)}
         positions: list[list[int]] = [[] for _ in range(k)]
         for pos, (m, _) in enumerate(accepts):
             positions[part_of.get(id(m), 0)].append(pos)
@@ -198,7 +220,7 @@ class StepThreads:
         i: int,
         positions: list[int],
         accepts: list[tuple[Any, int]],
-        fills: list[tuple[int, Any]],
+        fills: list[Fill],
         bitmask: Any,
     ) -> list[int]:
         refused = accept_tokens(
@@ -207,14 +229,18 @@ class StepThreads:
         stops = self._stops
         ended = {id(m) for m, t in accepts if t in stops and m.is_terminated()}
         if ended:
-            for row, m in fills:
+            for row, m, drafts, first in fills:
                 if id(m) in ended:
                     bitmask[row] = -1
-            fills = [(row, m) for row, m in fills if id(m) not in ended]
+                    bitmask[first : first + len(drafts)] = -1
+            fills = [f for f in fills if id(f[1]) not in ended]
         if fills:
             self.batchers[i].batch_fill_next_token_bitmask(
-                [m for _, m in fills], bitmask, [r for r, _ in fills]
+                [f[1] for f in fills], bitmask, [f[0] for f in fills]
             )
+        for _, m, drafts, first in fills:
+            if drafts:
+                fill_draft_rows(m, drafts, bitmask, first)
         return [positions[j] for j in refused]
 
     def _serve(self, i: int) -> None:
@@ -278,7 +304,7 @@ def main(argv: list[str]) -> None:
             try:
                 plan: tuple[Any, ...] | Exception = (
                     [(matchers[m], t) for m, t in msg[1]],
-                    [(r, matchers[m]) for r, m in msg[3]],
+                    [(f[0], matchers[f[1]], *(f[2:] or ([], 0))) for f in msg[3]],
                     buffers[msg[2]],
                     [matchers[m] for m in msg[4]],
                 )
@@ -345,8 +371,9 @@ def _run_device_step(
             pairs = accepts + [(ahead[i], tokens[i]) for i in given]
             refused = [positions[i] for i in step.run(pairs, fills, bitmask)]
         except Exception:
-            for row, _ in fills:
+            for row, _, drafts, first in fills:
                 bitmask[row] = -1
+                bitmask[first : first + len(drafts)] = -1
             raise
     except Exception as e:  # noqa: BLE001 (the step's error, told to the core)
         error = f"{type(e).__name__}: {e}"

@@ -74,7 +74,11 @@ class StructuredRequest:
 # Tokens matchers are still to accept, (key, request, token), oldest first; the key (the
 # scheduler's request) comes back with each token its grammar refused.
 Accepts = list[tuple[Any, StructuredRequest, int]]
-Rows = list[tuple[int, StructuredRequest]]
+# Bitmask rows to fill: (row, request), or (row, request, drafts, first draft row): the
+# row after each draft is filled too, as if the draft were accepted (a draft the grammar
+# refuses leaves its rows and those after it allowing every token); the matcher is then
+# back where it was.
+Rows = list[tuple[int, StructuredRequest] | tuple[int, StructuredRequest, list[int], int]]
 
 
 class FillJob:
@@ -489,8 +493,8 @@ class StructuredOutputManager:
         """Sends a step to the grammar process: the matchers accept `accepts` (in order),
         then the tokens of `ahead` ((key, request) pairs; the job's `give_tokens` sends
         them: the step waits for them there), then fill their rows of `bitmask` (one of
-        `take_bitmask`'s) for `rows` ((row, request) pairs; a row whose matcher a
-        token ended allows every token), while the caller goes on. The caller must leave
+        `take_bitmask`'s) for `rows` (`Rows`; a row whose matcher a token ended allows
+        every token), while the caller goes on. The caller must leave
         the bitmask and these requests alone until `wait()`, which gives the refused
         keys. GrammarProcessError if the process is lost.
 
@@ -512,7 +516,7 @@ class StructuredOutputManager:
             assert bitmask is not None and self._shared is not None
             k = [b.data_ptr() for b in self._shared.buffers].index(bitmask.data_ptr())
         msg = ["step", [[r.matcher_id, t] for _, r, t in accepts], k]
-        msg.append([[i, r.matcher_id] for i, r in rows])
+        msg.append([[row[0], row[1].matcher_id, *row[2:]] for row in rows])
         msg.append([r.matcher_id for _, r in ahead] if ahead else [])
         keys = [key for key, _, _ in accepts]
         if device:

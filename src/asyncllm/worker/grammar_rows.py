@@ -62,7 +62,7 @@ class GrammarRows:
         if so.grammar_buffer is None:
             return None
         assert self.memory is not None, "no grammar memory attached"
-        return self.memory.bitmask(so.grammar_buffer, len(so.structured_req_ids))
+        return self.memory.bitmask(so.grammar_buffer, so.grammar_rows()[0])
 
     def wait_bitmask_copied(self, buffer: int) -> None:
         """Waits until the copy that reads bitmask buffer `buffer` for its last step has
@@ -193,13 +193,16 @@ class GrammarRows:
             return self.staging().apply_graphed(masks, logits, copied=True)
         sampled = inputs.sampled_req_ids()
         staging = self.staging() if self.device.type == "cuda" else None
-        if sampled == so.structured_req_ids:  # (the usual step: every row, in order)
+        drafts = _draft_rows(so, inputs, sampled) if inputs.spec else ([], [])
+        if sampled == so.structured_req_ids and not drafts[0]:  # (the usual step)
             if staging is not None and graphed and staging.apply_graphed(masks, logits):
                 return True  # (a decode graph's logits: masked by a graph of its own)
             logit_rows, in_order = list(range(len(sampled))), True
             mask_rows = logit_rows
         else:
             logit_rows, mask_rows = _constrained_rows(sampled, so.structured_req_ids)
+            logit_rows += drafts[0]
+            mask_rows += drafts[1]
             in_order = mask_rows == list(range(len(mask_rows)))
         if not logit_rows:
             return False
@@ -234,4 +237,20 @@ def _constrained_rows(sampled: list[str], structured: list[str]) -> tuple[list[i
         if j is not None:
             logit_rows.append(k)
             mask_rows.append(j)
+    return logit_rows, mask_rows
+
+
+def _draft_rows(
+    so: SchedulerOutput, inputs: StepInputs, sampled: list[str]
+) -> tuple[list[int], list[int]]:
+    """The logits rows of the drafts that constrained requests verify, and their
+    bitmask rows (`SchedulerOutput.grammar_rows`)."""
+    _, first = so.grammar_rows()
+    logit_rows: list[int] = []
+    mask_rows: list[int] = []
+    for k, o, d in inputs.draft_rows():
+        f = first.get(sampled[k])
+        if f is not None:
+            logit_rows += range(o, o + len(d))
+            mask_rows += range(f, f + len(d))
     return logit_rows, mask_rows

@@ -45,12 +45,29 @@ class StepInputs:
         if self.num_logit_rows < 0:
             self.num_logit_rows = len(self.samples)
 
+    def draft_rows(self) -> list[tuple[int, int, list[int]]]:
+        """(index into `samples`, its first draft row, its drafts) per request verifying
+        drafts (`extra_rows`)."""
+        return extra_rows(len(self.samples), self.spec or [])
+
     def sampled_req_ids(self) -> list[str]:
         """The ids of the requests that sample, in batch order."""
         states = self.states
         if len(self.samples) == len(states):
             return [s.req_id for s in states]
         return [states[i].req_id for i in self.samples]
+
+
+def extra_rows(
+    num_states: int, spec: list[tuple[int, list[int]]]
+) -> list[tuple[int, int, list[int]]]:
+    """(state index, its first draft row, its drafts) per request verifying drafts: the
+    rows after the `num_states` first ones, in `spec`'s order."""
+    out, o = [], num_states
+    for k, d in spec:
+        out.append((k, o, d))
+        o += len(d)
+    return out
 
 
 def gather_step_inputs(

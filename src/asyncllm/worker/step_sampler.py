@@ -25,7 +25,7 @@ from asyncllm.sample.sampler import Sampler, gather_logprobs
 from asyncllm.worker.input_batch import CachedRequestState, InputBatch
 from asyncllm.worker.sampling_state import SamplingState
 from asyncllm.worker.step_buffers import StepBuffers
-from asyncllm.worker.step_inputs import StepInputs
+from asyncllm.worker.step_inputs import StepInputs, extra_rows
 from asyncllm.worker.step_result import PendingLogprobs, SampledGroup
 
 logger = logging.getLogger(__name__)
@@ -65,18 +65,6 @@ def prompt_logprob_rows(inputs: StepInputs, batch: InputBatch) -> list[PromptLog
                     batch.token_ids[s.row, start + 1 : end + 1],
                 )
             )
-    return out
-
-
-def _extra_rows(
-    num_states: int, spec: list[tuple[int, list[int]]]
-) -> list[tuple[int, int, list[int]]]:
-    """(state index, its first draft row, its drafts) per request verifying drafts: the
-    rows after the `num_states` first ones, in `spec`'s order."""
-    out, o = [], num_states
-    for k, d in spec:
-        out.append((k, o, d))
-        o += len(d)
     return out
 
 
@@ -133,7 +121,7 @@ class StepSampler:
             groups = [self._sample_rows(states, rows, rows_dev, logits, spec)]
         except Exception as batch_error:
             groups = []
-            extra = {k: (o, d) for k, o, d in _extra_rows(len(states), spec)}
+            extra = {k: (o, d) for k, o, d in extra_rows(len(states), spec)}
             for k, state in enumerate(states):
                 one = rows[k : k + 1]
                 o, d = extra.get(k, (0, []))
@@ -176,7 +164,7 @@ class StepSampler:
             row_parts, pending_parts = [rows], [pending]
             at_rows: list[int] = []
             at_tokens: list[int] = []
-            for k, o, d in _extra_rows(n, spec):
+            for k, o, d in extra_rows(n, spec):
                 all_states += [states[k]] * len(d)
                 row_parts.append(np.full(len(d), rows[k]))
                 # (its tokens in flight and the drafts before it)
@@ -192,7 +180,7 @@ class StepSampler:
             if spec:  # (row o + j - 1 follows drafts 0..j-1)
                 md.draft_prefixes = {
                     o + j - 1: (states[k].output_token_ids, d[:j])
-                    for k, o, d in _extra_rows(n, spec)
+                    for k, o, d in extra_rows(n, spec)
                     for j in range(1, len(d) + 1)
                 }
         result = self.sampler(logits, md)
