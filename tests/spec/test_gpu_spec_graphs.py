@@ -92,7 +92,9 @@ def test_verification_graphs_equal_eager_and_no_speculation(smollm_tokenizer):
         prompts = _prompts(smollm_tokenizer, 4)
         prompts[1] = _chat(smollm_tokenizer, "Repeat this number: 31415926535897932384")
         params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)] * 4
-        params[1] = SamplingParams(max_tokens=24, structured_outputs=S(regex="[0-9]{20}"))
+        params[1] = SamplingParams(
+            temperature=0.0, max_tokens=24, structured_outputs=S(regex="[0-9]{20}")
+        )
         before = g.verify_replays
         outs = graphs.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         (want,) = plain.generate([{"prompt_token_ids": prompts[1]}], params[1], use_tqdm=False)
