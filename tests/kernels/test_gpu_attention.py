@@ -5,6 +5,7 @@ inputs written into the same buffers."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -80,6 +81,40 @@ def _check_random_case(seed: int, dtype: torch.dtype, tol: float) -> None:
     assert err <= tol, f"{p['seqs'][:4]}... {p} rel err {err:.2e}"
 
 
+class _CapturedLaunch:
+    """One `paged_attention` launch captured over copies of `first`'s inputs (its block
+    table widened to 200 blocks, room for any draw); `replay(new)` writes `new`'s inputs
+    into the same buffers, poisons the output, replays and returns it."""
+
+    def __init__(self, first: Any, scale: float, max_query_len: int) -> None:
+        bufs = [t.clone() for t in first.args()]
+        bt = torch.zeros(bufs[3].shape[0], 200, dtype=torch.int32, device="cuda")
+        bt[:, : bufs[3].shape[1]] = bufs[3]
+        bufs[3] = bt
+        self.bufs, self.out = bufs, torch.empty_like(bufs[0])
+
+        def run():
+            paged_attention(*bufs, scale=scale, max_query_len=max_query_len, out=self.out)
+
+        run()
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            run()
+
+    def replay(self, new: Any) -> torch.Tensor:
+        for buf, t in zip(self.bufs, new.args()):
+            if buf.dim() == 2 and buf.dtype == torch.int32:  # block table: keep its width
+                buf.zero_()
+                buf[:, : t.shape[1]] = t
+            else:
+                buf.copy_(t)
+        self.out.fill_(float("nan"))
+        self.graph.replay()
+        torch.cuda.synchronize()
+        return self.out
+
+
 @pytest.mark.parametrize("decode", [True, False])
 def test_graph_replay_with_new_inputs(decode):
     """Capture once, then write new lengths, tables, queries and caches into the same
@@ -93,33 +128,10 @@ def test_graph_replay_with_new_inputs(decode):
         return make_case(seqs, **shape, dtype=torch.bfloat16, device="cuda", seed=seed,
                          spare_blocks=1200 - sum(-(-n // 16) for _, n in seqs))  # fmt: skip
 
-    first = draw(0)
-    bufs = [t.clone() for t in first.args()]
-    if bufs[3].shape[1] < 200:  # room for the longest table any draw needs
-        bt = torch.zeros(bufs[3].shape[0], 200, dtype=torch.int32, device="cuda")
-        bt[:, : bufs[3].shape[1]] = bufs[3]
-        bufs[3] = bt
-    out = torch.empty_like(bufs[0])
-
-    def run():
-        paged_attention(*bufs, scale=0.088, max_query_len=q_len, out=out)
-
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    launch = _CapturedLaunch(draw(0), 0.088, q_len)
     for seed in (1, 2, 3):
         new = draw(seed)
-        for buf, t in zip(bufs, new.args()):
-            if buf.dim() == 2 and buf.dtype == torch.int32:  # block table: keep its width
-                buf.zero_()
-                buf[:, : t.shape[1]] = t
-            else:
-                buf.copy_(t)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        out = launch.replay(new)
         want = paged_attention_ref(*new.args(), scale=0.088)
         assert rel_err(out, want) <= 1e-2
 
@@ -138,35 +150,13 @@ def test_graph_of_uniform_chunks_replays_ragged_and_padded_batches():
         return make_case(seqs, seed=seed, pad_seqs=S - n, pad_tokens=S * Q - T,
                          spare_blocks=spare, **shape)  # fmt: skip
 
-    first = case([(Q, Q + 100 * i) for i in range(S)], 0, S)
-    bufs = [t.clone() for t in first.args()]
-    bt = torch.zeros(S, 200, dtype=torch.int32, device="cuda")
-    bt[:, : bufs[3].shape[1]] = bufs[3]
-    bufs[3] = bt
-    out = torch.empty_like(bufs[0])
-
-    def run():
-        paged_attention(*bufs, scale=0.125, max_query_len=Q, out=out)
-
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    launch = _CapturedLaunch(case([(Q, Q + 100 * i) for i in range(S)], 0, S), 0.125, Q)
     for seed in range(1, 7):
         r = random.Random(seed)
         n = r.randint(1, S)
         seqs = [(ql, ql + r.randint(0, 2500)) for ql in (r.randint(1, Q) for _ in range(n))]
         T = sum(ql for ql, _ in seqs)
         new = case(seqs, seed, n)
-        for buf, t in zip(bufs, new.args()):
-            if buf.dim() == 2 and buf.dtype == torch.int32:
-                buf.zero_()
-                buf[:, : t.shape[1]] = t
-            else:
-                buf.copy_(t)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        out = launch.replay(new)
         want = paged_attention_ref(*new.args(), scale=0.125)
         assert rel_err(out[:T], want[:T]) <= 1e-2, (seed, seqs)
