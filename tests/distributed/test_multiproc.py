@@ -116,9 +116,10 @@ def test_tp2_seeded_sampling_and_logprobs_equal_tp1(tp2_llama, reference):
     check_seeded_sampling_and_logprobs(reference[0], tp2_llama)
 
 
-def test_tp3_smollm_equals_tp1_with_a_structured_output(llm, smollm_prompts):
-    """SmolLM2 (9 heads, 3 KV heads) over three workers on two CPUs: a few prompts, few
-    tokens, and a request constrained by a choice (its bitmask goes with the step)."""
+def test_tp3_smollm_equals_tp1_with_structured_outputs_and_drafts(llm, smollm_prompts):
+    """SmolLM2 (9 heads, 3 KV heads) over three workers on two CPUs, speculation on: a
+    few prompts, few tokens, a request constrained by a choice (its bitmask goes with
+    the step), and a constrained request that drafts (a row per draft goes too)."""
     prompts = as_inputs(smollm_prompts[1:4])
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     choice = SamplingParams(
@@ -126,8 +127,20 @@ def test_tp3_smollm_equals_tp1_with_a_structured_output(llm, smollm_prompts):
         temperature=0.0,
         structured_outputs=StructuredOutputsParams(choice=["Paris", "London", "Rome"]),
     )
+    number = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "Repeat this number: 31415926535897932384"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    digits = SamplingParams(
+        max_tokens=24,
+        temperature=0.0,
+        structured_outputs=StructuredOutputsParams(regex="[0-9]{20}"),
+    )
     want = llm.generate(prompts, greedy, use_tqdm=False)
     want_choice = llm.generate(prompts[:1], choice, use_tqdm=False)
+    want_digits = llm.generate([number], digits, use_tqdm=False)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
     with LLM(
         multiprocess=False,
         device="cpu",
@@ -135,12 +148,17 @@ def test_tp3_smollm_equals_tp1_with_a_structured_output(llm, smollm_prompts):
         max_model_len=512,
         num_gpu_blocks_override=32,
         cpu_threads=1,
+        speculative_config=spec,
     ) as tp3:
         got = tp3.generate(prompts, greedy, use_tqdm=False)
         got_choice = tp3.generate(prompts[:1], choice, use_tqdm=False)
+        got_digits = tp3.generate([number], digits, use_tqdm=False)
+        accepted = tp3.get_stats()["spec_num_accepted_tokens"]
     assert_equal_under_tie_rule(want, got, "SmolLM2 TP=3")
     assert got_choice[0].outputs[0].text == want_choice[0].outputs[0].text
     assert got_choice[0].outputs[0].text in ("Paris", "London", "Rome")
+    assert got_digits[0].outputs[0].token_ids == want_digits[0].outputs[0].token_ids
+    assert accepted > 0
 
 
 # -- configuration -----------------------------------------------------------------------

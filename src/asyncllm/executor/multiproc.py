@@ -543,7 +543,7 @@ class MultiprocExecutor(Executor):
             raise RuntimeError("the multiprocess executor runs no device steps nor split launches")
         if self._grammar is None:
             raise RuntimeError("a step with a grammar bitmask, but no grammar memory attached")
-        rows = self._grammar.bitmask(so.grammar_buffer, len(so.structured_req_ids))
+        rows = self._grammar.bitmask(so.grammar_buffer, so.grammar_rows()[0])
         return memoryview(rows.numpy()).cast("B")
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:

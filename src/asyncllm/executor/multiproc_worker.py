@@ -213,9 +213,10 @@ class WorkerProc:
         _, so = self.decoder.decode(frames[2:])
         masks = None
         if frames[1]:
-            words = len(frames[1]) // 4 // max(1, len(so.structured_req_ids))
+            rows = so.grammar_rows()[0]  # (drafts of constrained requests have rows too)
+            words = len(frames[1]) // 4 // max(1, rows)
             masks = self.torch.frombuffer(bytearray(frames[1]), dtype=self.torch.int32)
-            masks = masks.view(len(so.structured_req_ids), words)
+            masks = masks.view(rows, words)
         self.masks.set(masks)
         return self.worker.execute_model_async(so)
 

@@ -191,6 +191,8 @@ class ModelRunner:
             return [], 1
         q = 1 + spec.num_speculative_tokens
         most = min(spec.disable_by_batch_size - 1, sched.max_num_seqs)
+        if most < 1:  # (no request ever drafts)
+            return [], 1
         top = padded_size(most, sizes) or sizes[-1]
         return [s for s in sizes if s <= top and s * q <= sched.max_num_batched_tokens], q
 
