@@ -168,3 +168,34 @@ def test_constrained_requests_draft_and_give_what_they_give_without(
     assert re.fullmatch("[0-9]{20}", got[2].text)
     stats = spec_llm.get_stats()
     assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_constrained_requests_that_draft_survive_preemption(llm, smollm_tokenizer):
+    """Seven constrained requests that draft, in a KV cache of 20 blocks: they preempt
+    each other mid-speculation (their matchers are rebuilt from the tokens they kept);
+    every output is the one it is without drafts or preemption, every block comes back."""
+
+    def chat(text: str) -> str:
+        return smollm_tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+
+    records = [dict(RECORD, born=1815 + i) for i in range(4)]
+    prompts = [
+        chat(f"Write this record as JSON, exactly as it is: {json.dumps(r)}") for r in records
+    ]
+    prompts += [chat(f"Repeat this number: {31415926535897932384 + 7 * i}") for i in range(3)]
+    as_json = S(json=RECORD_SCHEMA)
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=as_json)] * 4
+    digits = S(regex="[0-9]{20}")
+    params += [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=digits)] * 3
+    want = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    small = dict(max_model_len=256, num_gpu_blocks_override=20)
+    with LLM(device="cpu", multiprocess=False, speculative_config=SPEC, **small) as tight:
+        got = [o.outputs[0].text for o in tight.generate(prompts, params, use_tqdm=False)]
+        stats = tight.get_stats()
+    assert got == want
+    assert stats["num_preemptions"] > 0 and stats["spec_num_accepted_tokens"] > 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    for text in got[:4]:
+        _check_json(text, RECORD_SCHEMA)
