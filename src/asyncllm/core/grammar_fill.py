@@ -42,13 +42,10 @@ if TYPE_CHECKING:
 def structured_rows(config: SchedulerConfig) -> int:
     """The most bitmask rows a step needs: one per request, and one per draft of the
     requests that draft (fewer than the speculation limit at once)."""
-    spec = config.speculative
-    drafting = 0 if spec is None else min(spec.disable_by_batch_size - 1, config.max_num_seqs)
-    return config.max_num_seqs + drafting * (spec.num_speculative_tokens if spec else 0)
-
-
-# Per constrained request of a step, in order: its drafts and its first draft row
-DraftRows = list[tuple[list[int], int]]
+    spec, rows = config.speculative, config.max_num_seqs
+    if spec is None:
+        return rows
+    return rows + min(spec.disable_by_batch_size - 1, rows) * spec.num_speculative_tokens
 
 
 class GrammarFill:
@@ -66,8 +63,8 @@ class GrammarFill:
         self._fail = fail
         self.compiling: list[Request] = []  # waiting for their grammars, not yet queued
         # Steps whose grammar bitmask is still to fill (see `masks_due`): their
-        # constrained requests, by bitmask row, their draft rows, and the bitmask.
-        self._masks_due: dict[int, tuple[list[Request], DraftRows, Any]] = {}
+        # constrained requests, by bitmask row, and the bitmask.
+        self._masks_due: dict[int, tuple[list[Request], Any]] = {}
         # Tokens kept since the last fill, for the matchers to accept first (see
         # `_fill_masks`).
         self._accepts: Accepts = []
@@ -132,16 +129,11 @@ class GrammarFill:
         where `lagging` (a matcher has yet to see a token in flight)."""
         assert self.structured is not None
         out.structured_req_ids = [r.request_id for r in structured]
-        rows, first = out.grammar_rows()
-        drafts = out.scheduled_spec_decode_tokens
-        draft_rows = [
-            (drafts.get(r.request_id, []), first.get(r.request_id, rows)) for r in structured
-        ]
-        out.grammar_buffer, bitmask = self.structured.take_bitmask(rows)
+        out.grammar_buffer, bitmask = self.structured.take_bitmask(out.grammar_rows()[0])
         if lagging:
-            self._masks_due[id(out)] = (structured, draft_rows, bitmask)
+            self._masks_due[id(out)] = (structured, bitmask)
         else:
-            self._fill_masks(out, structured, draft_rows, bitmask)
+            self._fill_masks(out, structured, bitmask)
 
     def drop(self, sched: SchedulerOutput) -> None:
         """Forgets a step that will never run (its bitmask is not filled)."""
@@ -166,10 +158,10 @@ class GrammarFill:
         due = self._masks_due.pop(id(sched), None)
         if due is None:
             return None
-        structured, draft_rows, bitmask = due
+        structured, bitmask = due
         accepts = self.ahead_accepts(ahead, record)
         return self._fill_masks(
-            sched, structured, draft_rows, bitmask, wait=False, ahead=accepts, device=device
+            sched, structured, bitmask, wait=False, ahead=accepts, device=device
         )
 
     def ahead_accepts(
@@ -241,7 +233,6 @@ class GrammarFill:
         self,
         sched: SchedulerOutput,
         structured: list[Request],
-        draft_rows: DraftRows,
         bitmask: Any,
         wait: bool = True,
         ahead: list[tuple[Request, StructuredRequest]] | None = None,
@@ -255,8 +246,11 @@ class GrammarFill:
         assert self.structured is not None  # (it made their constraints)
         accepts, self._accepts = self._accepts, []
         running = RequestStatus.RUNNING
+        _, firsts = sched.grammar_rows()  # (the draft rows of those that verify drafts)
         rows: Rows = []
-        for row, (req, (drafts, first)) in enumerate(zip(structured, draft_rows, strict=True)):
+        for row, req in enumerate(structured):
+            drafts = sched.scheduled_spec_decode_tokens.get(req.request_id, [])
+            first = firsts.get(req.request_id, 0)
             if req.status == running:
                 rows.append((row, req.structured, drafts, first))
             else:  # (allows all: its tokens are dropped)

@@ -129,6 +129,13 @@ def raw_batch_accept(xgr: Any) -> Any:
 Fill = tuple[int, Any, list[int], int]
 
 
+def allow_all(bitmask: Any, fill: Fill) -> None:
+    """A fill's rows, its draft rows included, allow every token."""
+    row, _, drafts, first = fill
+    bitmask[row] = -1
+    bitmask[first : first + len(drafts)] = -1
+
+
 def fill_draft_rows(matcher: Any, drafts: list[int], bitmask: Any, first: int) -> None:
     """Row `first + j` of `bitmask`: the tokens `matcher` allows after drafts 0..j, as if
     it had accepted them. From a draft it refuses (or one that ends it) on, the rows
@@ -229,10 +236,9 @@ class StepThreads:
         stops = self._stops
         ended = {id(m) for m, t in accepts if t in stops and m.is_terminated()}
         if ended:
-            for row, m, drafts, first in fills:
-                if id(m) in ended:
-                    bitmask[row] = -1
-                    bitmask[first : first + len(drafts)] = -1
+            for f in fills:
+                if id(f[1]) in ended:
+                    allow_all(bitmask, f)
             fills = [f for f in fills if id(f[1]) not in ended]
         if fills:
             self.batchers[i].batch_fill_next_token_bitmask(
@@ -371,9 +377,8 @@ def _run_device_step(
             pairs = accepts + [(ahead[i], tokens[i]) for i in given]
             refused = [positions[i] for i in step.run(pairs, fills, bitmask)]
         except Exception:
-            for row, _, drafts, first in fills:
-                bitmask[row] = -1
-                bitmask[first : first + len(drafts)] = -1
+            for f in fills:
+                allow_all(bitmask, f)
             raise
     except Exception as e:  # noqa: BLE001 (the step's error, told to the core)
         error = f"{type(e).__name__}: {e}"
