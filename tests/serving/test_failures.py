@@ -198,6 +198,39 @@ async def test_an_exception_in_the_core_reaches_every_stream_with_its_reason():
     await llm.shutdown()
 
 
+async def test_a_request_added_after_the_core_exited_gets_the_cores_reason():
+    """The core reports its exception and exits; a request added before the host has
+    read that report (the loop is held here until the process is gone) still ends with
+    the core's reason, not a bare "process exited"."""
+    llm = AsyncLLM.from_engine_args(
+        EngineArgs(
+            device="cpu",
+            max_model_len=256,
+            distributed_executor_backend="tests.serving.failing_executor:FailOnThirdStep",
+        )
+    )
+    await llm.start()
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+
+    async def stream(prompt):
+        async for _ in llm.generate(prompt, params):
+            pass
+
+    first = asyncio.create_task(stream({"prompt_token_ids": [1, 2, 3]}))
+    await asyncio.sleep(0)  # the first request is sent (token ids: no tokenizer await)
+    pid = llm.engine_core_pid
+    while _pid_alive(pid):  # holds the loop, and so the output handler, meanwhile
+        time.sleep(0.01)
+    late = asyncio.create_task(stream({"prompt_token_ids": [4, 5, 6]}))
+    try:
+        results = await asyncio.wait_for(asyncio.gather(first, late, return_exceptions=True), 10)
+    finally:
+        await llm.shutdown()
+    assert all(
+        isinstance(r, EngineDeadError) and "simulated device failure" in str(r) for r in results
+    ), results
+
+
 async def test_sigterm_stops_the_core_and_pending_streams_end():
     llm = await AsyncLLM(**SERVING_ARGS).start()
     pid = llm.engine_core_pid

@@ -267,8 +267,15 @@ class AsyncLLM:
                 frontend, client = self._check_usable()  # (it may have died meanwhile)
             core_reqs = frontend.add_request(request_id, prompt, params, priority, tokenized)
             added = True
-            for req in core_reqs:
-                client.add_request(req)
+            try:
+                for req in core_reqs:
+                    client.add_request(req)
+            except EngineDeadError:
+                # A death the client has seen (the core's process gone) is reported by
+                # the output handler, with the core's own reason where it sent one: this
+                # request's stream ends with that, as every other one does.
+                if client.dead_reason is None:
+                    raise
             while not finished:
                 out = await collector.get()
                 finished = out.finished
