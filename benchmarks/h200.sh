@@ -69,6 +69,9 @@ stage() {
 for s in "$@"; do
     SYNC=()  # a stage name ending in -fi runs on the flashinfer attention backend,
     t=$s
+    # one ending in -kvw0 with the KV cache written by its own launch (not the rotary's),
+    export ASYNCLLM_FUSED_KV_WRITE=1
+    case $t in *-kvw0) export ASYNCLLM_FUSED_KV_WRITE=0; t=${t%-kvw0} ;; esac
     case $t in *-fi) SYNC+=(--attention-backend flashinfer); t=${t%-fi} ;; esac
     # one ending in -fa on FlashAttention 4,
     case $t in *-fa) SYNC+=(--attention-backend flash_attn); t=${t%-fa} ;; esac

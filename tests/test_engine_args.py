@@ -145,6 +145,25 @@ def test_flashinfer_sampling_is_asked_for(monkeypatch):
     assert envs.flashinfer_sampling_enabled() is installed
 
 
+def test_the_fused_kv_write_can_be_turned_off_for_measuring(monkeypatch):
+    """ASYNCLLM_FUSED_KV_WRITE=0: the Triton backends name no slots for the rotary launch
+    (their own launch writes the cache); junk is refused."""
+    import torch
+
+    from asyncllm.model.attention.triton_attn import TritonAttentionBackend
+
+    class Md:
+        slot_mapping = torch.arange(3)
+
+    monkeypatch.delenv("ASYNCLLM_FUSED_KV_WRITE", raising=False)
+    assert TritonAttentionBackend().fused_kv_slots(Md()) is Md.slot_mapping
+    monkeypatch.setenv("ASYNCLLM_FUSED_KV_WRITE", "0")
+    assert TritonAttentionBackend().fused_kv_slots(Md()) is None
+    monkeypatch.setenv("ASYNCLLM_FUSED_KV_WRITE", "no")
+    with pytest.raises(ValueError, match="ASYNCLLM_FUSED_KV_WRITE"):
+        TritonAttentionBackend()
+
+
 def test_speculative_config_is_completed_as_vllm_completes_it() -> None:
     def spec(**kw):
         return EngineArgs(speculative_config=kw).speculative_config

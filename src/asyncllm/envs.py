@@ -30,6 +30,9 @@ so a test or a host that sets a variable before starting an engine is heard.
   / top-p rows that have no seed of their own, on CUDA where FlashInfer is installed
   (default `0`, the torch path: the kernel compiles on first use, for over 110 s on a
   16-core H100 host, and no measurement has shown it faster here).
+- `ASYNCLLM_FUSED_KV_WRITE`: `0` has the attention backend's own launch write each
+  step's K/V into the paged cache, after the rotary launch, instead of that launch
+  (for measuring the fusion; default `1`).
 - `ASYNCLLM_WORKER_START_TIMEOUT_S`: how long the multiprocess (or Ray) executor waits for
   every worker to build its model before the start fails, naming the ranks not ready (a
   rendezvous that never completes, a stalled load; default `900`).
@@ -54,6 +57,7 @@ VARIABLES = (
     "ASYNCLLM_PP_LAYER_PARTITION",
     "ASYNCLLM_WORKER_START_TIMEOUT_S",
     "ASYNCLLM_FLASHINFER_SAMPLING",
+    "ASYNCLLM_FUSED_KV_WRITE",
 )
 PP_LAYER_PARTITION = "ASYNCLLM_PP_LAYER_PARTITION"
 
@@ -74,6 +78,15 @@ def flashinfer_sampling_enabled() -> bool:
     if os.environ.get("ASYNCLLM_FLASHINFER_SAMPLING", "0") != "1":
         return False
     return importlib.util.find_spec("flashinfer") is not None
+
+
+def fused_kv_write() -> bool:
+    """Whether the rotary launch may write the step's K/V into the cache
+    ($ASYNCLLM_FUSED_KV_WRITE, default 1)."""
+    value = os.environ.get("ASYNCLLM_FUSED_KV_WRITE", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"ASYNCLLM_FUSED_KV_WRITE must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def log_level() -> str:

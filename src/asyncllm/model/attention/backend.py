@@ -179,3 +179,17 @@ class AttentionBackend(ABC):
         metadata: Any,
     ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D]. Writes k/v into the cache, returns [T, Hq, D]."""
+
+    def fused_kv_slots(self, metadata: Any) -> torch.Tensor | None:
+        """Where a layer may write the step's K/V into this backend's cache itself, in
+        the launch that rotates them (`RotaryEmbedding.into_kv_cache`): each token's
+        int64 slot in the (2, blocks, block_size, kv_heads, head_size) cache (a negative
+        one: not written), and the layer then calls `forward_cached`. None (here): the
+        layer calls `forward`, which writes them."""
+        return None
+
+    def forward_cached(
+        self, spec: AttentionLayerSpec, q: torch.Tensor, kv_cache: torch.Tensor, metadata: Any
+    ) -> torch.Tensor:
+        """`forward` once the step's K/V are in the cache (see `fused_kv_slots`)."""
+        raise NotImplementedError(f"the {self.name} backend writes its own KV cache")

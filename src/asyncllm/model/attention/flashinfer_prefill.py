@@ -98,11 +98,24 @@ class FlashInferPrefillBackend(TritonAttentionBackend):
         kv_cache: torch.Tensor,
         metadata: SplitMetadata,
     ) -> torch.Tensor:
+        write_kv_cache(k, v, kv_cache, metadata.triton.slot_mapping)
+        return self.forward_cached(spec, q, kv_cache, metadata)
+
+    def fused_kv_slots(self, metadata: SplitMetadata) -> torch.Tensor | None:  # type: ignore[override]
+        return super().fused_kv_slots(metadata.triton)
+
+    def forward_cached(  # type: ignore[override]
+        self,
+        spec: AttentionLayerSpec,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: SplitMetadata,
+    ) -> torch.Tensor:
         md = metadata
         if md.prefill is None or md.chunk_rows is None:
-            return super().forward(spec, q, k, v, kv_cache, md.triton)
+            return super().forward_cached(spec, q, kv_cache, md.triton)
         t = md.triton
-        key_cache, value_cache = write_kv_cache(k, v, kv_cache, t.slot_mapping)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
         out = torch.empty_like(q)
         if md.has_decodes:
             paged_attention(

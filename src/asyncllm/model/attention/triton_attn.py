@@ -1,7 +1,7 @@
 """Paged attention through the Triton kernels: the default on CUDA.
 
 Per layer, two launches: `reshape_and_cache` writes the step's K/V into the paged
-cache, then one `paged_attention` launch (plus a merge launch when the keys are split)
+cache (or the layer's rotary launch does, `fused_kv_slots`), then one `paged_attention` launch (plus a merge launch when the keys are split)
 covers the whole batch, prefill chunks and decodes alike. The metadata is the device
 tensors of `CommonAttentionMetadata` as they are; nothing per step is a Python value
 inside a launch; the host only picks tile shapes (decode-only or not) and, for a batch
@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from asyncllm import envs
 from asyncllm.model.attention.backend import (
     AttentionBackend,
     AttentionLayerSpec,
@@ -85,6 +86,9 @@ def paged_metadata(common: CommonAttentionMetadata) -> TritonAttentionMetadata:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
+    def __init__(self) -> None:
+        self._fused_kv_write = envs.fused_kv_write()
+
     def warm_up(self, ctx: AttentionWarmUp) -> int:
         """Eager forwards of inert mixed batches, one per decode-launch config (on CUDA:
         the interpreter compiles nothing)."""
@@ -109,12 +113,24 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: TritonAttentionMetadata,
     ) -> torch.Tensor:
+        write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        return self.forward_cached(spec, q, kv_cache, metadata)
+
+    def fused_kv_slots(self, metadata: TritonAttentionMetadata) -> torch.Tensor | None:
+        return metadata.slot_mapping if self._fused_kv_write else None
+
+    def forward_cached(
+        self,
+        spec: AttentionLayerSpec,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+    ) -> torch.Tensor:
         md = metadata
-        key_cache, value_cache = write_kv_cache(k, v, kv_cache, md.slot_mapping)
         return paged_attention(
             q,
-            key_cache,
-            value_cache,
+            kv_cache[0],
+            kv_cache[1],
             md.block_table,
             md.seq_lens,
             md.query_start_loc,

@@ -87,6 +87,12 @@ def yarn_inv_freq(
     return inv_freq, float(attn)
 
 
+def uses_kernels(t: torch.Tensor) -> bool:
+    """Whether the rotation runs as the Triton launch for tensors like `t` (on CUDA; a
+    CPU test may make it so under Triton's interpreter), else as its torch reference."""
+    return t.is_cuda
+
+
 class RotaryEmbedding(nn.Module):
     cos_sin_cache: torch.Tensor  # [max_position, rotary_dim]: cos, then sin
 
@@ -123,24 +129,65 @@ class RotaryEmbedding(nn.Module):
         kernel's plain-torch reference). `norms`: q's and k's per-head norms (Qwen3's
         q_norm, k_norm), applied first; on CUDA in the rotation's launch where both are
         plain RMSNorms and the rotation covers whole heads."""
-        cuda = q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1
-        if norms is not None and not (cuda and self._fuses(norms)):
-            q, k = norms[0](q), norms[1](k)
-            norms = None
+        cuda = uses_kernels(q) and q.stride(-1) == 1 and k.stride(-1) == 1
+        q, k, weights = self._norms_first(q, k, norms, cuda)
         q3 = q.view(q.shape[0], -1, self.head_size)
         k3 = k.view(k.shape[0], -1, self.head_size)
         if cuda:
             from asyncllm_kernels.rotary import apply_rotary_
 
-            weights, eps = None, 0.0
-            if norms is not None:
-                qn, kn = cast(RMSNorm, norms[0]), cast(RMSNorm, norms[1])
-                weights, eps = (qn.weight, kn.weight), qn.eps
-            apply_rotary_(positions, q3, k3, self.cos_sin_cache, self.is_neox_style, weights, eps)
+            apply_rotary_(positions, q3, k3, self.cos_sin_cache, self.is_neox_style, *weights)
             return q, k
         q3 = apply_rotary_ref(positions, q3, self.cos_sin_cache, self.is_neox_style)
         k3 = apply_rotary_ref(positions, k3, self.cos_sin_cache, self.is_neox_style)
         return q3.reshape(q.shape), k3.reshape(k.shape)
+
+    def into_kv_cache(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        norms: tuple[nn.Module, nn.Module] | None,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """`forward` for q, [T, Hq, D]; k rotated and v, [T, Hk, D], written straight into
+        the (2, blocks, block_size, Hk, D) `kv_cache` at `slot_mapping` in the same launch
+        (k itself is then not rotated). Returns q, or None where that launch cannot do
+        it (off CUDA, partial rotary, strided heads): the caller then runs `forward` and
+        the backend's own cache write."""
+        if not (
+            uses_kernels(q)
+            and self.rotary_dim == self.head_size
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        ):
+            return None
+        from asyncllm_kernels.rotary import rotate_into_kv_cache_
+
+        q, k, weights = self._norms_first(q, k, norms, True)
+        rotate_into_kv_cache_(
+            positions, q, k, v, self.cos_sin_cache, kv_cache[0], kv_cache[1], slot_mapping,
+            self.is_neox_style, *weights,
+        )  # fmt: skip
+        return q
+
+    def _norms_first(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        norms: tuple[nn.Module, nn.Module] | None,
+        cuda: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[Any, float]]:
+        """q and k with the per-head norms applied here unless the rotation's launch
+        applies them (on CUDA, plain RMSNorms over whole heads), and that launch's
+        (norm weights or None, eps)."""
+        if norms is None:
+            return q, k, (None, 0.0)
+        if cuda and self._fuses(norms):
+            qn, kn = cast(RMSNorm, norms[0]), cast(RMSNorm, norms[1])
+            return q, k, ((qn.weight, kn.weight), qn.eps)
+        return norms[0](q), norms[1](k), (None, 0.0)
 
     def _fuses(self, norms: tuple[nn.Module, nn.Module]) -> bool:
         qn, kn = norms

@@ -30,7 +30,7 @@ from asyncllm.model.layers.linear import (
     set_weight_attrs,
 )
 from asyncllm.model.layers.norm import RMSNorm
-from asyncllm.model.layers.rotary import get_rope, rope_parameters
+from asyncllm.model.layers.rotary import RotaryEmbedding, get_rope, rope_parameters
 from asyncllm.model.pipeline import (
     HIDDEN_STATES,
     RESIDUAL,
@@ -72,8 +72,16 @@ class PagedSelfAttention(nn.Module):
         norms = None
         if self.q_norm is not None and self.k_norm is not None:
             norms = (self.q_norm, self.k_norm)  # (on CUDA, in the rotation's launch)
-        q, k = self.rotary_emb(positions, q, k, norms)
-        out = self.backend.forward(self.spec, q, k, v, kv_cache, attn_metadata)
+        slots = self.backend.fused_kv_slots(attn_metadata)
+        rotated = None
+        if slots is not None and isinstance(self.rotary_emb, RotaryEmbedding):
+            # One launch for the norms, the rotation and the KV cache write, where it can.
+            rotated = self.rotary_emb.into_kv_cache(positions, q, k, v, norms, kv_cache, slots)
+        if rotated is not None:
+            out = self.backend.forward_cached(self.spec, rotated, kv_cache, attn_metadata)
+        else:
+            q, k = self.rotary_emb(positions, q, k, norms)
+            out = self.backend.forward(self.spec, q, k, v, kv_cache, attn_metadata)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
