@@ -222,7 +222,7 @@ def rotate_into_kv_cache_(
     """`apply_rotary_` for q, and for k and v the paged KV cache write in the same launch
     (as `reshape_and_cache`): token i's rotated k and its v go to slot `slot_mapping[i]`
     of the [num_blocks, block_size, Hk, D] caches; a negative slot, or a token past
-    len(slot_mapping), writes nothing. k itself is not rotated. The rotation must cover
+    len(slot_mapping), writes nothing (slots past the tokens are not read). k itself is not rotated. The rotation must cover
     whole heads."""
     rot_dim = cos_sin_cache.shape[-1]
     _check(q, k, rot_dim, norm_weights)
@@ -239,8 +239,8 @@ def rotate_into_kv_cache_(
             raise ValueError(
                 f"{name} must be contiguous [blocks, block_size, {want[0]}, {rot_dim}]"
             )
-    if slot_mapping.shape[0] > q.shape[0] or slot_mapping.dtype != torch.int64:
-        raise ValueError("slot_mapping must be int64 with at most one slot per token")
+    if slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
     _launch(
         positions, q, k, cos_sin_cache, is_neox, norm_weights, eps,
         (v, key_cache, value_cache, slot_mapping),
