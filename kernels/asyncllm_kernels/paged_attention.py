@@ -16,7 +16,9 @@ The tile grid has `num_tokens // BLOCK_Q + num_seqs` rows, an upper bound on the
 any batch of that size needs; a program finds its sequence by binary search over
 `query_start_loc` and exits when its tile is past the end of its chunk. For small
 batches the keys of each sequence are also split into `NUM_SPLITS` parts (flash-decoding)
-whose partial results a second kernel merges. The grid, the split count and the tile
+whose partial results a second kernel merges; splits serve batches whose every chunk
+fits in one query tile (decodes, and short chunks such as speculative verification's
+1 + k tokens). The grid, the split count and the tile
 sizes depend only on the tensor shapes (the padded batch of a CUDA-graph bucket) and
 on whether the batch is decode-only; per-step values (lengths, positions, tables) are
 read from device memory, so a captured launch stays right when replayed with new ones.
@@ -36,6 +38,10 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)
 # A decode split past the 16th is used once every split has this many key tiles.
 SPLIT_TILES = 8
+# A batch whose chunks have at most this many tokens (a speculative verification's
+# 1 + k, short prompts beside decodes) runs in one launch of decode-shaped tiles, each
+# chunk in one query tile, with the decodes' KV split.
+SHORT_QUERY = 8
 
 
 @triton.jit
@@ -156,7 +162,7 @@ def _attend_tiles(
     return acc, m, l_sum
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "split_q"])
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -168,6 +174,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     query_start_ptr,
     num_seqs,
+    split_q,
     qk_scale,
     soft_cap,
     window,
@@ -245,7 +252,7 @@ def _paged_attention_kernel(
         tile_lo = tl.minimum(split * per_split, num_tiles)
         tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
         if tile_lo >= tile_hi:  # an unused split: empty stats, no partial (not read)
-            at = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
+            at = ((seq.to(tl.int64) * split_q + tok) * NUM_HEADS + head) * NUM_SPLITS + split
             tl.store(stat_ptr + at * 2, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
             tl.store(stat_ptr + at * 2 + 1, tl.zeros([BLOCK_M], tl.float32), mask=row_ok)
             return
@@ -284,8 +291,8 @@ def _paged_attention_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
-    else:  # splits only serve chunks of one token: partials are per sequence
-        at = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
+    else:  # splits serve chunks of one tile (at most split_q tokens): partials per token
+        at = ((seq.to(tl.int64) * split_q + tok) * NUM_HEADS + head) * NUM_SPLITS + split
         tl.store(part_ptr + at[:, None] * HEAD_PAD + d[None, :], acc, mask=row_ok[:, None])
         tl.store(stat_ptr + at * 2, m, mask=row_ok)
         tl.store(stat_ptr + at * 2 + 1, l_sum, mask=row_ok)
@@ -297,6 +304,7 @@ def _merge_splits_kernel(
     part_ptr,
     stat_ptr,
     query_start_ptr,
+    split_q,
     stride_ot,
     stride_oh,
     NUM_HEADS: tl.constexpr,
@@ -305,39 +313,44 @@ def _merge_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """One program per (sequence, head): merges the splits of a one-token chunk; other
-    sequences (padding, or longer chunks of a mixed batch) are not this launch's."""
+    """One program per (sequence, head): merges the splits of each token of a chunk of
+    1 to `split_q` tokens; other sequences (padding, or longer chunks of a mixed batch)
+    are not this launch's."""
     seq = tl.program_id(0)
     h = tl.program_id(1)
-    token = tl.load(query_start_ptr + seq)
-    if tl.load(query_start_ptr + seq + 1) - token != 1:
+    first_token = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - first_token
+    if q_len < 1 or q_len > split_q:
         return
-    # The used splits are a prefix (an unused one has an empty stat): read every stat
-    # once for the maximum and the prefix length, then only the used partials, in
-    # chunks of up to 16 splits.
-    base = (seq.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS
-    every = tl.arange(0, NUM_SPLITS)
-    m_every = tl.load(stat_ptr + (base + every) * 2)
-    m_max = tl.max(m_every, axis=0)
-    used = tl.max(tl.where(m_every == float("-inf"), 0, every + 1), axis=0)
     d = tl.arange(0, HEAD_PAD)
-    acc = tl.zeros([HEAD_PAD], tl.float32)
-    denom = 0.0
-    for first in range(0, used, CHUNK):
-        at = base + first + tl.arange(0, CHUNK)
-        m = tl.load(stat_ptr + at * 2)
-        w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
-        denom += tl.sum(tl.load(stat_ptr + at * 2 + 1) * w, axis=0)
-        part = tl.load(
-            part_ptr + at[:, None] * HEAD_PAD + d[None, :], mask=(w > 0)[:, None], other=0.0
+    every = tl.arange(0, NUM_SPLITS)
+    for t in range(0, q_len):
+        # The used splits are a prefix (an unused one has an empty stat): read every
+        # stat once for the maximum and the prefix length, then only the used partials,
+        # in chunks of up to 16 splits. (A split past a token's position, in a causal
+        # chunk, has an empty stat for that token too: its weight is 0.)
+        base = ((seq.to(tl.int64) * split_q + t) * NUM_HEADS + h) * NUM_SPLITS
+        m_every = tl.load(stat_ptr + (base + every) * 2)
+        m_max = tl.max(m_every, axis=0)
+        used = tl.max(tl.where(m_every == float("-inf"), 0, every + 1), axis=0)
+        acc = tl.zeros([HEAD_PAD], tl.float32)
+        denom = 0.0
+        for first in range(0, used, CHUNK):
+            at = base + first + tl.arange(0, CHUNK)
+            m = tl.load(stat_ptr + at * 2)
+            w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
+            denom += tl.sum(tl.load(stat_ptr + at * 2 + 1) * w, axis=0)
+            part = tl.load(
+                part_ptr + at[:, None] * HEAD_PAD + d[None, :], mask=(w > 0)[:, None], other=0.0
+            )
+            acc += tl.sum(part * w[:, None], axis=0)
+        out = acc / denom
+        token = (first_token + t).to(tl.int64)
+        tl.store(
+            out_ptr + token * stride_ot + h * stride_oh + d,
+            out.to(out_ptr.dtype.element_ty),
+            mask=d < HEAD,
         )
-        acc += tl.sum(part * w[:, None], axis=0)
-    out = acc / denom
-    tl.store(
-        out_ptr + token.to(tl.int64) * stride_ot + h * stride_oh + d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d < HEAD,
-    )
 
 
 @dataclass(frozen=True)
@@ -367,8 +380,11 @@ def choose_config(
     device: torch.device,
     dtype: torch.dtype = torch.bfloat16,
     num_splits: int | None = None,
+    query_len: int = 1,
 ) -> AttentionConfig:
-    """Decode-only batches (every chunk one token) use 16-row tiles, 64-key tiles (head
+    """Decode-only batches (every chunk one token; with `query_len` from 2 to
+    SHORT_QUERY, every chunk at most that many tokens: tiles of SHORT_QUERY tokens x the
+    group, padded, and 8 warps from 128 rows) use 16-row tiles, 64-key tiles (head
     128), 4 warps and 2 stages, the fastest at every batch swept (1-256, contexts 128 to
     1.5k: at batch 64-256 and 0.5-1.5k keys 0.82-1.0 of the KV-read floor, against
     0.65-0.91 for 128-key tiles, 8 warps, 3 stages); when the batch gives fewer
@@ -384,7 +400,10 @@ def choose_config(
     head_pad = triton.next_power_of_2(head_size)
     wide = dtype == torch.float32
     if decode_only:
-        block_m = max(16, triton.next_power_of_2(group))
+        if not 1 <= query_len <= SHORT_QUERY:
+            raise ValueError(f"query_len must be 1 to {SHORT_QUERY}, got {query_len}")
+        rows = group if query_len == 1 else SHORT_QUERY * group
+        block_m = max(16, triton.next_power_of_2(rows))
         if device.type == "cuda":
             sms = _num_sms(device.index or 0)
             target = 4 * sms
@@ -394,7 +413,8 @@ def choose_config(
         block_n = (64 if head_pad <= 128 else 32) // (2 if wide else 1)
         if programs < sms and num_splits is None:
             num_splits = min(1 << ((target // programs).bit_length() - 1), 64)
-        return AttentionConfig(block_m, block_n, num_splits or 1, num_warps=4, num_stages=2)
+        warps = 4 if block_m <= 64 else 8
+        return AttentionConfig(block_m, block_n, num_splits or 1, num_warps=warps, num_stages=2)
     if wide:
         block_m = max(64 if head_pad <= 128 else 32, triton.next_power_of_2(group))
         return AttentionConfig(block_m, 32, num_splits or 1, num_warps=8, num_stages=2)
@@ -446,13 +466,16 @@ def paged_attention(
         raise ValueError(f"sliding_window must be at least 1 (or None), got {sliding_window}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap must be positive (or None), got {soft_cap}")
+    group = Hq // Hkv
     if config is not None:
         splits = config.num_splits
         if splits < 1 or splits & (splits - 1):
             raise ValueError(f"num_splits must be a power of two, got {splits}")
-        if splits > 1 and max_query_len > 1:
-            raise ValueError("a KV split serves decode-only batches (max_query_len 1)")
-    group = Hq // Hkv
+        if splits > 1 and max_query_len > config.block_m // group:
+            raise ValueError(
+                f"a KV split needs every chunk in one query tile: max_query_len "
+                f"{max_query_len}, {config.block_m // group} tokens per tile"
+            )
     S = seq_lens.shape[0]
     if out is None:
         out = torch.empty_like(q)
@@ -460,26 +483,29 @@ def paged_attention(
         return out
     args = (q, key_cache, value_cache, out, block_table, seq_lens, query_start_loc)
     opts = (scale, sliding_window, soft_cap)
+    max_q = max(max_query_len, 1)
+    short = max_q <= SHORT_QUERY  # every chunk in one decode-shaped tile
     if rows != "all":
         decodes = rows == "decodes"
         cfg = config or choose_config(S, Hkv, group, D, decodes, q.device, q.dtype)
-        _launch(*args, *opts, cfg, seq_filter=1 if decodes else 2)
-    elif max_query_len <= 1 or config is not None or not has_decodes:
-        decode_only = max_query_len <= 1
-        cfg = config or choose_config(S, Hkv, group, D, decode_only, q.device, q.dtype)
-        _launch(*args, *opts, cfg, seq_filter=0)
+        _launch(*args, *opts, cfg, seq_filter=1 if decodes else 2, split_q=1)
+    elif short or config is not None or not has_decodes:
+        cfg = config or choose_config(S, Hkv, group, D, short, q.device, q.dtype, query_len=max_q)
+        _launch(*args, *opts, cfg, seq_filter=0, split_q=max_q)
     else:
         cfg = choose_config(S, Hkv, group, D, True, q.device, q.dtype)
-        _launch(*args, *opts, cfg, seq_filter=1)
+        _launch(*args, *opts, cfg, seq_filter=1, split_q=1)
         cfg = choose_config(S, Hkv, group, D, False, q.device, q.dtype)
-        _launch(*args, *opts, cfg, seq_filter=2)
+        _launch(*args, *opts, cfg, seq_filter=2, split_q=1)
     return out
 
 
 def _launch(
     q, key_cache, value_cache, out, block_table, seq_lens, query_start_loc,
-    scale, sliding_window, soft_cap, cfg: AttentionConfig, seq_filter: int,
+    scale, sliding_window, soft_cap, cfg: AttentionConfig, seq_filter: int, split_q: int,
 ) -> None:  # fmt: skip
+    """`split_q`: with a KV split, the most tokens a chunk the split serves has (each
+    such chunk fits in one query tile)."""
     T, Hq, D = q.shape
     _, block_size, Hkv, _ = key_cache.shape
     group = Hq // Hkv
@@ -488,9 +514,10 @@ def _launch(
     block_q = cfg.block_m // group
     if block_q < 1:
         raise ValueError(f"block_m {cfg.block_m} is smaller than the group size {group}")
-    if cfg.num_splits > 1:  # per sequence: splits only serve one-token chunks
-        part = torch.empty(S * Hq * cfg.num_splits * head_pad, device=q.device, dtype=torch.float32)
-        stat = torch.empty(S * Hq * cfg.num_splits * 2, device=q.device, dtype=torch.float32)
+    if cfg.num_splits > 1:  # per sequence and token: splits serve one-tile chunks
+        rows = S * split_q * Hq * cfg.num_splits
+        part = torch.empty(rows * head_pad, device=q.device, dtype=torch.float32)
+        stat = torch.empty(rows * 2, device=q.device, dtype=torch.float32)
     else:
         part = stat = out  # not read
     grid = (T // block_q + S, Hkv, cfg.num_splits)
@@ -505,6 +532,7 @@ def _launch(
         seq_lens,
         query_start_loc,
         S,
+        split_q,
         scale,
         soft_cap or 1.0,
         sliding_window or 0,
@@ -544,6 +572,7 @@ def _launch(
             part,
             stat,
             query_start_loc,
+            split_q,
             out.stride(0),
             out.stride(1),
             NUM_HEADS=Hq,

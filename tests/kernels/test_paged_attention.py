@@ -7,13 +7,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncllm_kernels.paged_attention import AttentionConfig, paged_attention
+from asyncllm_kernels.paged_attention import (
+    SHORT_QUERY,
+    AttentionConfig,
+    choose_config,
+    paged_attention,
+)
 from asyncllm_kernels.reference import paged_attention_ref
 from tests.kernels.attention_cases import make_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MIXED = [(1, 37), (5, 5), (17, 50), (1, 1), (20, 200)]  # (query length, total length)
 DECODES = [(1, 37), (1, 1), (1, 130), (1, 64)]
+# A speculative verification's batch: 1 + drafts per request, some with no drafts.
+SHORT = [(5, 300), (3, 40), (1, 1), (5, 5), (4, 130), (1, 64)]
 
 
 def _check(case, dtype, **kw):
@@ -104,7 +111,7 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="num_splits"):
         paged_attention(*args, scale=0.1, max_query_len=1, config=AttentionConfig(16, 16, 3, 4, 1))
     mixed = make_case(MIXED, 2, 2, 64, 16, torch.float32, DEVICE)
-    with pytest.raises(ValueError, match="decode-only"):
+    with pytest.raises(ValueError, match="one query tile"):
         paged_attention(
             *mixed.args(), scale=0.1, max_query_len=mixed.max_query_len,
             config=AttentionConfig(16, 16, 2, 4, 1),
@@ -149,3 +156,34 @@ def test_decodes_and_chunks_by_themselves():
     torch.testing.assert_close(out[:n], want[:n], atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="rows"):
         paged_attention(*case.args(), **args, rows="prefills")
+
+
+@pytest.mark.parametrize("group,splits", [(1, 4), (3, 16), (4, 1)])
+def test_short_chunks_in_one_launch_with_kv_split(group, splits):
+    """Chunks of up to SHORT_QUERY tokens beside decodes: one launch of decode-shaped
+    tiles, each chunk in one tile, the keys split and merged per token (causal within
+    the chunk: a split past a token's position is empty for it)."""
+    case = make_case(SHORT, 2, group, 64, 16, torch.float32, DEVICE, seed=20 + group)
+    cpu = torch.device("cpu")
+    config = choose_config(6, 2, group, 64, True, cpu, torch.float32, splits, query_len=5)
+    assert config.block_m // group >= SHORT_QUERY and config.num_splits == splits
+    _check(case, torch.float32, config=config)
+
+
+def test_short_chunks_choose_a_kv_split_and_pad_like_a_graph():
+    """Few (sequence, KV head) programs: the chosen config splits the keys (the
+    interpreter's "GPU" has 8 SMs); padding sequences and rows are left alone; a window
+    and a soft-cap hold across the splits."""
+    seqs = [(5, 700), (2, 90)]
+    case = make_case(seqs, 1, 3, 64, 16, torch.float32, DEVICE, seed=31, pad_seqs=2, pad_tokens=8)
+    cfg = choose_config(4, 1, 3, 64, True, case.q.device, torch.float32, query_len=5)
+    assert cfg.num_splits > 1
+    for kw in ({}, {"sliding_window": 100, "soft_cap": 20.0}):
+        out = torch.full_like(case.q, 7.0)
+        paged_attention(*case.args(), scale=0.125, max_query_len=5, out=out, **kw)
+        assert torch.all(out[case.num_tokens :] == 7.0)
+        want = paged_attention_ref(*case.args(), scale=0.125, **kw)
+        n = case.num_tokens
+        torch.testing.assert_close(out[:n], want[:n], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="query_len"):
+        choose_config(4, 1, 3, 64, True, case.q.device, query_len=SHORT_QUERY + 1)

@@ -1,12 +1,13 @@
 """The Triton backend's start-up warm-up of mixed (prefill + decode) steps, on the CPU:
-one batch per decode-launch config, each inert (the KV cache is untouched)."""
+one batch per launch config, short chunks and long, each inert (the KV cache is
+untouched)."""
 
 from __future__ import annotations
 
 import torch
 
 from asyncllm.model.attention.triton_attn import TritonAttentionBackend, mixed_warm_up_sizes
-from asyncllm_kernels.paged_attention import choose_config
+from asyncllm_kernels.paged_attention import SHORT_QUERY, choose_config
 from tests.model.tiny import make_tiny_model, tiny_engine_core
 
 
@@ -27,15 +28,20 @@ def test_one_inert_mixed_batch_per_decode_launch_config(tmp_path):
             group,
         )
 
-        def config(n: int):
-            return choose_config(n, spec.num_kv_heads, group, spec.head_size, True, runner.device)
+        def config(n: int, chunk: int):
+            return choose_config(
+                n, spec.num_kv_heads, group, spec.head_size, True, runner.device,
+                query_len=2 if chunk <= SHORT_QUERY else 1,
+            )  # fmt: skip
 
-        every = {config(n) for n in range(2, 65)}
-        assert len(sizes) == len(every) > 1  # (the interpreter's small "GPU" splits too)
-        assert {config(n) for n in sizes} == every
+        # A short chunk (one launch of short tiles) and a long one (two launches: the
+        # decodes' config varies with the batch) beside 1 to 63 decodes.
+        every = {(config(n, c), c) for n in range(2, 65) for c in (2, SHORT_QUERY + 1)}
+        assert len(sizes) == len(every) > 2  # (the interpreter's small "GPU" splits too)
+        assert {(config(n, c), c) for n, c in sizes} == every
         before = [c.clone() for c in runner.kv_caches]
-        for n in sizes:
-            startup.run_inert_mixed_batch(n)
+        for n, c in sizes:
+            startup.run_inert_mixed_batch(n, c)
         assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
         assert startup.warm_up_attention() == 0  # the torch backend: nothing to compile
         # on the CPU the Triton backend compiles nothing either (the interpreter)

@@ -169,9 +169,9 @@ class RunnerStartup:
     @torch.inference_mode()
     def warm_up_attention(self) -> int:
         """The attention backend's warm-up (the Triton backend's: one inert mixed batch
-        per decode-launch config a step mixing decodes with a prefill chunk can meet, so
-        its kernels compile at start-up, not in the first such step); returns the number
-        of batches run."""
+        per launch config a step mixing decodes with a prefill chunk can meet, short
+        chunks and long, so its kernels compile at start-up, not in the first such step);
+        returns the number of batches run."""
         return self.runner.backend.warm_up(self.warm_up_context())
 
     def warm_up_context(self) -> AttentionWarmUp:
@@ -188,16 +188,17 @@ class RunnerStartup:
             head_size=spec.head_size,
             group=group,
             max_mixed_seqs=min(sched.max_num_seqs, sched.max_num_batched_tokens - 1),
+            max_batched_tokens=sched.max_num_batched_tokens,
             run_mixed_batch=self.run_inert_mixed_batch,
         )
 
     @torch.inference_mode()
-    def run_inert_mixed_batch(self, num_seqs: int) -> None:
-        """One eager forward of `num_seqs - 1` one-token decodes and a two-token prefill
-        chunk that writes nothing to the KV cache (every slot is -1)."""
+    def run_inert_mixed_batch(self, num_seqs: int, chunk: int = 2) -> None:
+        """One eager forward of `num_seqs - 1` one-token decodes and a prefill chunk of
+        `chunk` tokens that writes nothing to the KV cache (every slot is -1)."""
         r = self.runner
         lens = np.ones(num_seqs, dtype=np.int64)
-        lens[-1] = 2
+        lens[-1] = chunk
         T = self._inert_batch(lens)
         r.forward(T, num_seqs, r.kv_caches, inert=True)
 

@@ -136,8 +136,9 @@ class AttentionWarmUp:
     head_size: int
     group: int  # query heads per KV head
     max_mixed_seqs: int  # the most sequences a step mixing decodes with a chunk holds
-    # One eager forward of `n - 1` one-token decodes and a two-token prefill chunk.
-    run_mixed_batch: Callable[[int], None]
+    max_batched_tokens: int  # the most tokens a step holds
+    # One eager forward of `n - 1` one-token decodes and a prefill chunk of `c` tokens.
+    run_mixed_batch: Callable[[int, int], None]
 
 
 class AttentionBackend(ABC):

@@ -1,15 +1,19 @@
 """Paged attention through the Triton kernels: the default on CUDA.
 
 Per layer, two launches: `reshape_and_cache` writes the step's K/V into the paged
-cache (or the layer's rotary launch does, `fused_kv_slots`), then one `paged_attention` launch (plus a merge launch when the keys are split)
-covers the whole batch, prefill chunks and decodes alike. The metadata is the device
-tensors of `CommonAttentionMetadata` as they are; nothing per step is a Python value
-inside a launch; the host only picks tile shapes (decode-only or not) and, for a batch
-that mixes decodes with longer chunks, makes that two launches.
+cache (or the layer's rotary launch does, `fused_kv_slots`), then one `paged_attention`
+launch (plus a merge launch when the keys are split) covers the whole batch, prefill
+chunks and decodes alike. The metadata is the device tensors of `CommonAttentionMetadata`
+as they are; nothing per step is a Python value inside a launch; the host only picks
+tile shapes (decode-only, chunks of at most SHORT_QUERY tokens such as a speculative
+verification's, or longer) and, for a batch that mixes decodes with longer chunks,
+makes that two launches.
 
 Its warm-up compiles, at start-up, the launches only steps that mix one-token decodes
-with a prefill chunk use: one inert mixed batch per decode-launch config such a step can
-meet (~2.7 s on an H200 with a cold Triton cache, in the first mixed step otherwise).
+with a prefill chunk use: one inert mixed batch per launch config such a step can meet,
+with a short chunk and with a long one (~2.7 s on an H200 with a cold Triton cache for
+the long ones alone, measured before the short ones were added; in the first mixed step
+otherwise).
 """
 
 from __future__ import annotations
@@ -28,18 +32,24 @@ from asyncllm.model.attention.backend import (
     CommonAttentionMetadata,
 )
 from asyncllm_kernels.elementwise import reshape_and_cache
-from asyncllm_kernels.paged_attention import choose_config, paged_attention
+from asyncllm_kernels.paged_attention import SHORT_QUERY, choose_config, paged_attention
 
 
-def mixed_warm_up_sizes(ctx: AttentionWarmUp) -> list[int]:
-    """One batch size (sequences) per decode-launch config of a mixed step (the prefill
-    launch's config does not depend on the batch)."""
-    shapes: dict[Any, int] = {}  # decode launch config -> the first batch size with it
+def mixed_warm_up_sizes(ctx: AttentionWarmUp) -> list[tuple[int, int]]:
+    """One (sequences, chunk tokens) batch per launch config of a mixed step: a chunk of
+    up to SHORT_QUERY tokens beside decodes is one launch of short tiles; a longer one
+    is two launches, and only the decodes' config depends on the batch."""
+    shapes: dict[Any, tuple[int, int]] = {}  # (launch config, chunk) -> the first batch
+    long_chunk = SHORT_QUERY + 1
     for num_seqs in range(2, ctx.max_mixed_seqs + 1):
-        cfg = choose_config(
-            num_seqs, ctx.num_kv_heads, ctx.group, ctx.head_size, True, ctx.device, ctx.dtype
-        )
-        shapes.setdefault(cfg, num_seqs)
+        for chunk in (2, long_chunk):
+            if num_seqs - 1 + chunk > ctx.max_batched_tokens:
+                continue
+            cfg = choose_config(
+                num_seqs, ctx.num_kv_heads, ctx.group, ctx.head_size, True, ctx.device,
+                ctx.dtype, query_len=2 if chunk == 2 else 1,
+            )  # fmt: skip
+            shapes.setdefault((cfg, chunk), (num_seqs, chunk))
     return list(shapes.values())
 
 
@@ -95,8 +105,8 @@ class TritonAttentionBackend(AttentionBackend):
         if ctx.device.type != "cuda":
             return 0
         sizes = mixed_warm_up_sizes(ctx)
-        for num_seqs in sizes:
-            ctx.run_mixed_batch(num_seqs)
+        for num_seqs, chunk in sizes:
+            ctx.run_mixed_batch(num_seqs, chunk)
         return len(sizes)
 
     def build_metadata(
