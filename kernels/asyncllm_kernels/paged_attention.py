@@ -40,8 +40,9 @@ LOG2E = tl.constexpr(1.4426950408889634)
 SPLIT_TILES = 8
 # A batch whose chunks have at most this many tokens (a speculative verification's
 # 1 + k, short prompts beside decodes) runs in one launch of decode-shaped tiles, each
-# chunk in one query tile, with the decodes' KV split.
+# chunk in one query tile, with the decodes' KV split (`short_launch`).
 SHORT_QUERY = 8
+SHORT_ROWS = 64  # ... where a tile of SHORT_QUERY tokens has at most this many rows
 
 
 @triton.jit
@@ -366,6 +367,16 @@ class AttentionConfig:
     lazy_rescale: bool = False  # rescale the running sums only when a maximum grew past 2^8
 
 
+def short_launch(max_query_len: int, group: int) -> bool:
+    """Whether a batch whose longest chunk has `max_query_len` tokens runs in one launch
+    of decode-shaped tiles (`choose_config(..., decode_only=True, query_len=...)`): one-
+    token decodes always; chunks of up to SHORT_QUERY tokens where such a tile has at
+    most SHORT_ROWS rows (so decodes beside them keep small tiles)."""
+    return max_query_len <= 1 or (
+        max_query_len <= SHORT_QUERY and SHORT_QUERY * group <= SHORT_ROWS
+    )
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -382,9 +393,9 @@ def choose_config(
     num_splits: int | None = None,
     query_len: int = 1,
 ) -> AttentionConfig:
-    """Decode-only batches (every chunk one token; with `query_len` from 2 to
-    SHORT_QUERY, every chunk at most that many tokens: tiles of SHORT_QUERY tokens x the
-    group, padded, and 8 warps from 128 rows) use 16-row tiles, 64-key tiles (head
+    """Decode-only batches (every chunk one token; with `query_len` > 1, every chunk at
+    most that many tokens, as `short_launch` allows: tiles of SHORT_QUERY tokens x the
+    group, padded) use 16-row tiles, 64-key tiles (head
     128), 4 warps and 2 stages, the fastest at every batch swept (1-256, contexts 128 to
     1.5k: at batch 64-256 and 0.5-1.5k keys 0.82-1.0 of the KV-read floor, against
     0.65-0.91 for 128-key tiles, 8 warps, 3 stages); when the batch gives fewer
@@ -400,8 +411,11 @@ def choose_config(
     head_pad = triton.next_power_of_2(head_size)
     wide = dtype == torch.float32
     if decode_only:
-        if not 1 <= query_len <= SHORT_QUERY:
-            raise ValueError(f"query_len must be 1 to {SHORT_QUERY}, got {query_len}")
+        if not short_launch(query_len, group):
+            raise ValueError(
+                f"query_len {query_len} with group {group} is not a short launch's "
+                f"(chunks of up to {SHORT_QUERY} tokens, {SHORT_ROWS} rows a tile)"
+            )
         rows = group if query_len == 1 else SHORT_QUERY * group
         block_m = max(16, triton.next_power_of_2(rows))
         if device.type == "cuda":
@@ -413,8 +427,7 @@ def choose_config(
         block_n = (64 if head_pad <= 128 else 32) // (2 if wide else 1)
         if programs < sms and num_splits is None:
             num_splits = min(1 << ((target // programs).bit_length() - 1), 64)
-        warps = 4 if block_m <= 64 else 8
-        return AttentionConfig(block_m, block_n, num_splits or 1, num_warps=warps, num_stages=2)
+        return AttentionConfig(block_m, block_n, num_splits or 1, num_warps=4, num_stages=2)
     if wide:
         block_m = max(64 if head_pad <= 128 else 32, triton.next_power_of_2(group))
         return AttentionConfig(block_m, 32, num_splits or 1, num_warps=8, num_stages=2)
@@ -484,7 +497,7 @@ def paged_attention(
     args = (q, key_cache, value_cache, out, block_table, seq_lens, query_start_loc)
     opts = (scale, sliding_window, soft_cap)
     max_q = max(max_query_len, 1)
-    short = max_q <= SHORT_QUERY  # every chunk in one decode-shaped tile
+    short = short_launch(max_q, group)  # every chunk in one decode-shaped tile
     if rows != "all":
         decodes = rows == "decodes"
         cfg = config or choose_config(S, Hkv, group, D, decodes, q.device, q.dtype)

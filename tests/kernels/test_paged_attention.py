@@ -12,6 +12,7 @@ from asyncllm_kernels.paged_attention import (
     AttentionConfig,
     choose_config,
     paged_attention,
+    short_launch,
 )
 from asyncllm_kernels.reference import paged_attention_ref
 from tests.kernels.attention_cases import make_case
@@ -185,5 +186,10 @@ def test_short_chunks_choose_a_kv_split_and_pad_like_a_graph():
         want = paged_attention_ref(*case.args(), scale=0.125, **kw)
         n = case.num_tokens
         torch.testing.assert_close(out[:n], want[:n], atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="query_len"):
+    with pytest.raises(ValueError, match="short launch"):
         choose_config(4, 1, 3, 64, True, case.q.device, query_len=SHORT_QUERY + 1)
+    # A group of 16: a tile of 8 tokens would have 128 rows; such a batch of short
+    # chunks takes the two launches of longer ones (decodes keep their 16-row tiles).
+    assert short_launch(SHORT_QUERY, 8) and not short_launch(2, 16) and short_launch(1, 16)
+    wide = make_case([(1, 90), (3, 50)], 1, 16, 64, 16, torch.float32, DEVICE, seed=32)
+    _check(wide, torch.float32)

@@ -32,17 +32,23 @@ from asyncllm.model.attention.backend import (
     CommonAttentionMetadata,
 )
 from asyncllm_kernels.elementwise import reshape_and_cache
-from asyncllm_kernels.paged_attention import SHORT_QUERY, choose_config, paged_attention
+from asyncllm_kernels.paged_attention import (
+    SHORT_QUERY,
+    choose_config,
+    paged_attention,
+    short_launch,
+)
 
 
 def mixed_warm_up_sizes(ctx: AttentionWarmUp) -> list[tuple[int, int]]:
     """One (sequences, chunk tokens) batch per launch config of a mixed step: a chunk of
-    up to SHORT_QUERY tokens beside decodes is one launch of short tiles; a longer one
-    is two launches, and only the decodes' config depends on the batch."""
+    up to SHORT_QUERY tokens beside decodes is one launch of short tiles (where
+    `short_launch` says so); a longer one is two launches, and only the decodes' config
+    depends on the batch."""
     shapes: dict[Any, tuple[int, int]] = {}  # (launch config, chunk) -> the first batch
-    long_chunk = SHORT_QUERY + 1
+    chunks = [SHORT_QUERY + 1] + ([2] if short_launch(2, ctx.group) else [])
     for num_seqs in range(2, ctx.max_mixed_seqs + 1):
-        for chunk in (2, long_chunk):
+        for chunk in chunks:
             if num_seqs - 1 + chunk > ctx.max_batched_tokens:
                 continue
             cfg = choose_config(
