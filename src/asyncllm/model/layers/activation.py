@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from asyncllm_kernels.reference import silu_and_mul_ref
 
 
-class SiluAndMul(nn.Module):
-    """silu(x[..., :d]) * x[..., d:] for the merged gate/up projection: one Triton
-    kernel on CUDA, its plain-torch reference elsewhere (both in float32, one rounding)."""
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] for the merged gate/up projection: one Triton kernel
+    on CUDA, its plain-torch reference elsewhere (both in float32, one rounding). A down
+    projection that runs the skinny GEMM takes the activation in its loads instead
+    (`LinearBase.forward(x, gated=True)`)."""
+    if x.is_cuda and x.dim() == 2:
+        from asyncllm_kernels.elementwise import silu_and_mul as kernel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dim() == 2:
-            from asyncllm_kernels.elementwise import silu_and_mul
-
-            return silu_and_mul(x)
-        return silu_and_mul_ref(x)
+        return kernel(x)
+    return silu_and_mul_ref(x)

@@ -21,7 +21,6 @@ from torch import nn
 from asyncllm.model.attention.backend import AttentionBackend, AttentionLayerSpec
 from asyncllm.model.interface import CausalLM, KVCacheSpec
 from asyncllm.model.kv_groups import layer_sliding_window
-from asyncllm.model.layers.activation import SiluAndMul
 from asyncllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from asyncllm.model.layers.linear import (
     MergedColumnParallelLinear,
@@ -125,10 +124,10 @@ class LlamaMLP(nn.Module):
         inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias=bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        # silu(gate) * up: in the down projection's loads where it can (decode batches).
+        return self.down_proj(self.gate_up_proj(x), gated=True)
 
 
 def input_norm(
