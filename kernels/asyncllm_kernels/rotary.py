@@ -52,7 +52,7 @@ def _rotate_heads(
     tl.store(out + i2[None, :], y2, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _rotary_kernel(
     q_ptr,
     k_ptr,

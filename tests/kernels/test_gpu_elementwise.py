@@ -281,3 +281,70 @@ def test_rotary_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     _check_rotary(q, k, q_in, k_in, pos, cache, True)
+
+
+# --- rotary with the KV cache write ---------------------------------------------------
+
+
+def _unfused(pos, q, k, v, cache, is_neox, weights, kc, vc, slots):
+    """The launches the fused one replaces: the rotation (with the norms) in place on
+    copies, then `reshape_and_cache`; returns the rotated q."""
+    q, k = q.clone(), k.clone()
+    apply_rotary_(pos, q, k, cache, is_neox, norm_weights=weights)
+    reshape_and_cache(k[: len(slots)], v[: len(slots)], kc, vc, slots)
+    return q
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_rotary_into_the_kv_cache_equals_the_unfused_launches(norm, is_neox):
+    """The rotation then `reshape_and_cache` (the same values up to rounding, the same
+    slots written), on views of a fused qkv output, padding slots (-1) and rows past the
+    slots included; k itself untouched."""
+    from asyncllm_kernels.rotary import rotate_into_kv_cache_
+
+    T, hq, hk, head, num_blocks, dtype = 37, 16, 8, 128, 8, BF16
+    cache = _cos_sin_cache(4096, head)
+    pos = torch.randint(0, 4096, (T,), device=DEV)
+    qkv = _randn(T, (hq + 2 * hk) * head, dtype=dtype)
+    q = qkv[:, : hq * head].view(T, hq, head)
+    k = qkv[:, hq * head : (hq + hk) * head].view(T, hk, head)
+    v = qkv[:, (hq + hk) * head :].view(T, hk, head)
+    weights = (_randn(head, dtype=dtype), _randn(head, dtype=dtype)) if norm else None
+    slots = _slots(T - 3, num_blocks, 4)  # the last 3 rows: graph padding, no slot
+    want_kv = _cache_pair(num_blocks, hk, head, dtype)
+    want_q = _unfused(pos, q, k, v, cache, is_neox, weights, *want_kv, slots)
+    k0 = k.clone()
+    kc, vc = _cache_pair(num_blocks, hk, head, dtype)
+    rotate_into_kv_cache_(pos, q, k, v, cache, kc, vc, slots, is_neox, weights)
+    torch.testing.assert_close(q, want_q, rtol=TOL, atol=TOL)
+    assert torch.equal(k, k0)
+    for got, want in zip((kc, vc), want_kv, strict=True):
+        torch.testing.assert_close(got, want, rtol=TOL, atol=TOL, equal_nan=True)
+
+
+def test_rotary_into_the_kv_cache_cuda_graph():
+    """Captured once, replayed with new positions, inputs and slots copied in place."""
+    from asyncllm_kernels.rotary import rotate_into_kv_cache_
+
+    T, hq, hk, head, num_blocks, dtype = 33, 16, 8, 128, 6, BF16
+    cache = _cos_sin_cache(4096, head)
+    pos = torch.randint(0, 4096, (T,), device=DEV)
+    q, k, v = (_randn(T, h, head, dtype=dtype) for h in (hq, hk, hk))
+    slots = _slots(T, num_blocks, 5)
+    kc, vc = _cache_pair(num_blocks, hk, head, dtype)
+    graph, _ = _capture(lambda: rotate_into_kv_cache_(pos, q, k, v, cache, kc, vc, slots))
+
+    pos.copy_(torch.randint(0, 4096, (T,), device=DEV))
+    for t in (q, k, v):
+        t.copy_(torch.randn_like(t, dtype=torch.float32).to(dtype))
+    slots.copy_(_slots(T, num_blocks, 9))
+    want_kv = _cache_pair(num_blocks, hk, head, dtype)
+    want_q = _unfused(pos, q, k, v, cache, True, None, *want_kv, slots)
+    kc.fill_(float("nan"))
+    vc.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(q, want_q, rtol=TOL, atol=TOL)
+    for got, want in zip((kc, vc), want_kv, strict=True):
+        torch.testing.assert_close(got, want, rtol=TOL, atol=TOL, equal_nan=True)

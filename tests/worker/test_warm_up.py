@@ -34,9 +34,10 @@ def test_one_inert_mixed_batch_per_decode_launch_config(tmp_path):
                 query_len=2 if chunk <= SHORT_QUERY else 1,
             )  # fmt: skip
 
-        # A short chunk (one launch of short tiles) and a long one (two launches: the
-        # decodes' config varies with the batch) beside 1 to 63 decodes.
-        every = {(config(n, c), c) for n in range(2, 65) for c in (2, SHORT_QUERY + 1)}
+        # A short chunk (one launch of short tiles) beside 0 to 63 decodes, and a long
+        # one (two launches: the decodes' config varies with the batch) beside 1 to 63.
+        every = {(config(n, 2), 2) for n in range(1, 65)}
+        every |= {(config(n, SHORT_QUERY + 1), SHORT_QUERY + 1) for n in range(2, 65)}
         assert len(sizes) == len(every) > 2  # (the interpreter's small "GPU" splits too)
         assert {(config(n, c), c) for n, c in sizes} == every
         before = [c.clone() for c in runner.kv_caches]

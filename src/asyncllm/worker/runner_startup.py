@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from asyncllm.distributed.parallel_state import get_tp_group
 from asyncllm.model.attention.backend import AttentionWarmUp
 from asyncllm.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
 from asyncllm.worker.cuda_graph import DecodeGraphs, GraphKey
@@ -179,7 +180,8 @@ class RunnerStartup:
         r = self.runner
         spec = r.loaded_model().kv_cache_spec()
         hf = r.config.model.hf_config
-        group = hf.num_attention_heads // getattr(hf, "num_key_value_heads", hf.num_attention_heads)
+        # This rank's query heads over its KV heads (KV heads replicate past their count)
+        group = hf.num_attention_heads // get_tp_group().world_size // spec.num_kv_heads
         sched = r.config.scheduler
         return AttentionWarmUp(
             device=r.device,

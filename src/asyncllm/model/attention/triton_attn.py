@@ -42,14 +42,15 @@ from asyncllm_kernels.paged_attention import (
 
 def mixed_warm_up_sizes(ctx: AttentionWarmUp) -> list[tuple[int, int]]:
     """One (sequences, chunk tokens) batch per launch config of a mixed step: a chunk of
-    up to SHORT_QUERY tokens beside decodes is one launch of short tiles (where
-    `short_launch` says so); a longer one is two launches, and only the decodes' config
-    depends on the batch."""
+    up to SHORT_QUERY tokens beside decodes, or alone, is one launch of short tiles
+    (where `short_launch` says so); a longer one beside decodes is two launches, and
+    only the decodes' config depends on the batch."""
     shapes: dict[Any, tuple[int, int]] = {}  # (launch config, chunk) -> the first batch
     chunks = [SHORT_QUERY + 1] + ([2] if short_launch(2, ctx.group) else [])
-    for num_seqs in range(2, ctx.max_mixed_seqs + 1):
+    for num_seqs in range(1, ctx.max_mixed_seqs + 1):
         for chunk in chunks:
-            if num_seqs - 1 + chunk > ctx.max_batched_tokens:
+            alone = num_seqs == 1 and chunk > SHORT_QUERY  # the prefill launch (profiled)
+            if alone or num_seqs - 1 + chunk > ctx.max_batched_tokens:
                 continue
             cfg = choose_config(
                 num_seqs, ctx.num_kv_heads, ctx.group, ctx.head_size, True, ctx.device,
