@@ -11,6 +11,9 @@
 #   bash benchmarks/h200.sh latency-8b throughput-8b test-gpu
 #   bash benchmarks/h200.sh latency-8b-sync   # (any benchmark stage: without async scheduling)
 #   bash benchmarks/h200.sh latency-8b-mp     # (any benchmark stage: the multiprocess executor)
+#   bash benchmarks/h200.sh latency-8b latency-8b-base  # (-base: the tree in .base/, for an
+#       A/B at one sitting: `mkdir -p .base && git archive REV src kernels | tar -x -C .base`,
+#       then carry .base)
 set -uo pipefail
 OUT=${OUT:-h200-logs}
 mkdir -p "$OUT"
@@ -69,6 +72,9 @@ stage() {
 for s in "$@"; do
     SYNC=()  # a stage name ending in -fi runs on the flashinfer attention backend,
     t=$s
+    # one ending in -base on the tree in .base/ (another commit's src and kernels),
+    export PYTHONPATH=src:kernels:$SITE
+    case $t in *-base) export PYTHONPATH=.base/src:.base/kernels:$SITE; t=${t%-base} ;; esac
     # one ending in -kvw0 with the KV cache written by its own launch (not the rotary's),
     export ASYNCLLM_FUSED_KV_WRITE=1
     case $t in *-kvw0) export ASYNCLLM_FUSED_KV_WRITE=0; t=${t%-kvw0} ;; esac
@@ -92,6 +98,10 @@ for s in "$@"; do
     profile-0.6b) stage "$s" python3 -m asyncllm.bench.step_profile "${Q06[@]}" "${SYNC[@]}" --batch 1 256 --trace-dir "$OUT" && gzip -f "$OUT"/trace-*.json ;;
     serving-0.6b) stage "$s" python3 -m asyncllm.bench.serving "${Q06[@]}" "${SYNC[@]}" ;;
     profile-8b) stage "$s" python3 -m asyncllm.bench.step_profile "${L8[@]}" "${SYNC[@]}" --batch 1 256 ;;
+    # (speculation on the embedded model, real weights: a passage to repeat after ~5k
+    # tokens of source, where each verification's attention reads thousands of keys)
+    spec-long) stage "$s" python3 -m asyncllm.bench.spec --dtype bfloat16 "${SYNC[@]}" \
+        --workloads long grounded --batch-sizes 1 4 --iters 3 ;;
     # (decodes at three context lengths; then steps that are mostly one 12k-token prefill)
     profile-classes-0.6b) stage "$s" python3 -m asyncllm.bench.step_profile "${Q06[@]}" "${SYNC[@]}" \
         --batch 1 64 256 --input-len 128 2048 --steps 30 ;;

@@ -199,12 +199,16 @@ def test_spec(capsys):
     prompts), both engines one after the other, in this process."""
     from asyncllm.bench import spec
 
-    flags = ["--device", "cpu", "--batch-sizes", "2", "--output-len", "6"]
-    result = spec.main([*flags, "--workloads", "grounded", "--num-speculative-tokens", "3"])
+    flags = ["--device", "cpu", "--batch-sizes", "2", "--output-len", "6", "--long-chars", "100"]
+    result = spec.main([*flags, "--workloads", "long", "--num-speculative-tokens", "3"])
     assert last_json_line(capsys) == result
     assert result["benchmark"] == "spec" and result["num_speculative_tokens"] == 3
     cases = result["cases"]
-    assert [(c["workload"], c["batch"]) for c in cases] == [("grounded", 2)]
+    assert [(c["workload"], c["batch"]) for c in cases] == [("long", 2)]
     for c in cases:  # (greedy: the same tokens with drafts)
         assert c["same_outputs"] == c["batch"] and c["on_decode_tok_s"] > 0
     assert spec.workload_messages("open")[0][0]["role"] == "user"
+    long = spec.workload_messages("long", 20_000)[0][0]["content"]
+    # The grounded task after 20,000 characters of source.
+    assert long.endswith(spec.workload_messages("grounded")[0][0]["content"])
+    assert len(long) > 20_000 and spec._long_context(20_000) in long

@@ -7,7 +7,11 @@ same number of tokens):
 - grounded: the model is asked (as a chat turn) to repeat a passage of Python source
   or prose from the standard library with one small change: most of its output is in
   its prompt already;
-- open: open chat questions, whose answers are not.
+- open: open chat questions, whose answers are not;
+- long: as grounded, with the passage (a function) inside `--long-chars` characters of
+  the standard library's sources (about 6k tokens for SmolLM2 by default) given
+  before it: the context an agent editing a file has, where each verification's
+  attention reads thousands of keys.
 
 For each batch size B the first B prompts of a workload (cycled) are generated in one
 call; decode tok/s = (B x (output_len - 1)) / (wall - prefill), where prefill is the
@@ -71,10 +75,33 @@ def _passages() -> list[tuple[str, str]]:
     return out
 
 
-def workload_messages(name: str) -> list[list[dict[str, str]]]:
+def _long_context(chars: int) -> str:
+    """`chars` characters of standard-library module sources, one after another."""
+    import shlex
+    import string
+    import textwrap
+
+    text = "\n\n".join(inspect.getsource(m) for m in (textwrap, shlex, string, inspect))
+    return text[:chars]
+
+
+def workload_messages(name: str, long_chars: int = 20_000) -> list[list[dict[str, str]]]:
     if name == "open":
         return [[{"role": "user", "content": q}] for q in OPEN_QUESTIONS]
     changes = ["a comment line at the top that says 'edited'", "the first word in capitals"]
+    if name == "long":
+        context = _long_context(long_chars)
+        return [
+            [
+                {
+                    "role": "user",
+                    "content": f"Here is some Python source.\n\n{context}\n\nRepeat the "
+                    f"following {kind} exactly as it is, changing only {changes[i % 2]}."
+                    f"\n\n{text}",
+                }
+            ]
+            for i, (kind, text) in enumerate(_passages()[:6])
+        ]
     return [
         [
             {
@@ -102,7 +129,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--disable-by-batch-size", type=int, default=None, help="default: the engine's (8)"
     )
     g.add_argument(
-        "--workloads", nargs="+", default=["grounded", "open"], choices=["grounded", "open"]
+        "--workloads",
+        nargs="+",
+        default=["grounded", "open"],
+        choices=["grounded", "open", "long"],
+    )
+    g.add_argument(
+        "--long-chars",
+        type=int,
+        default=20_000,
+        help="characters of source before the passage in the long workload (default 20000)",
     )
     g.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 64])
     g.add_argument("--output-len", type=int, default=128, help="tokens per request (default 128)")
@@ -112,6 +148,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.output_len < 2 or args.iters < 1 or min(args.batch_sizes) < 1:
         parser.error("--output-len must be at least 2, --iters and batch sizes at least 1")
+    if args.long_chars < 1:
+        parser.error("--long-chars must be at least 1")
     if args.skip_tokenizer_init:
         parser.error("this benchmark needs the model's tokenizer (its prompts are text)")
     return args
@@ -151,7 +189,7 @@ def _measure(llm: LLM, prompts: list[Any], output_len: int, iters: int) -> dict[
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     cases = [(w, b) for w in args.workloads for b in args.batch_sizes]
-    messages = {w: workload_messages(w) for w in args.workloads}
+    messages = {w: workload_messages(w, args.long_chars) for w in args.workloads}
     results: dict[str, dict[tuple[str, int], dict[str, Any]]] = {}
     engine: dict[str, Any] = {}
     for label in ("off", "on"):
@@ -173,6 +211,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             prompts = {
                 w: [{"prompt_token_ids": _ids(tok, m)} for m in ms] for w, ms in messages.items()
             }
+            room = llm.engine.config.max_model_len - args.output_len
+            longest = max(len(p["prompt_token_ids"]) for ps in prompts.values() for p in ps)
+            if longest > room:
+                raise SystemExit(
+                    f"a prompt has {longest} tokens, more than max_model_len less "
+                    f"--output-len ({room}): lower --long-chars"
+                )
             results[label] = {}
             for w, b in cases:
                 batch = [prompts[w][i % len(prompts[w])] for i in range(b)]
