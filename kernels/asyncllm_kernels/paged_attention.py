@@ -14,7 +14,10 @@ in float32 (base 2). Tiles that are fully visible to every row skip the mask.
 
 The tile grid has `num_tokens // BLOCK_Q + num_seqs` rows, an upper bound on the tiles
 any batch of that size needs; a program finds its sequence by binary search over
-`query_start_loc` and exits when its tile is past the end of its chunk. For small
+`query_start_loc` and exits when its tile is past the end of its chunk. Launches of
+decode-shaped tiles (decodes, short chunks), where every chunk fits in one tile, have
+one row per sequence instead and skip the search (at batch 256 it was eight dependent
+loads before a program's first key). For small
 batches the keys of each sequence are also split into `NUM_SPLITS` parts (flash-decoding)
 whose partial results a second kernel merges; splits serve batches whose every chunk
 fits in one query tile (decodes, and short chunks such as speculative verification's
@@ -206,17 +209,28 @@ def _paged_attention_kernel(
     SEQ_FILTER: tl.constexpr,
     K_ROWS: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
+    ONE_TILE: tl.constexpr,
 ):
-    # Last tiles first: in a causal chunk they see the most keys (longest work first).
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _find_seq(query_start_ptr, num_seqs, tile, BLOCK_Q)
-    q_start = tl.load(query_start_ptr + seq)
-    q_len = tl.load(query_start_ptr + seq + 1) - q_start
-    local = tile - (q_start // BLOCK_Q + seq)
-    if local * BLOCK_Q >= q_len:
-        return
+    if ONE_TILE:
+        # Every chunk fits in one tile (decodes, short chunks): one program row per
+        # sequence, found without a search.
+        seq = tl.program_id(0)
+        q_start = tl.load(query_start_ptr + seq)
+        q_len = tl.load(query_start_ptr + seq + 1) - q_start
+        local = 0
+        if q_len == 0:
+            return  # a padding sequence
+    else:
+        # Last tiles first: in a causal chunk they see the most keys (longest work first).
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)
+        seq = _find_seq(query_start_ptr, num_seqs, tile, BLOCK_Q)
+        q_start = tl.load(query_start_ptr + seq)
+        q_len = tl.load(query_start_ptr + seq + 1) - q_start
+        local = tile - (q_start // BLOCK_Q + seq)
+        if local * BLOCK_Q >= q_len:
+            return
     if SEQ_FILTER == 1 and q_len != 1:
         return  # a longer chunk: the other launch's
     if SEQ_FILTER == 2 and q_len == 1:
@@ -501,24 +515,29 @@ def paged_attention(
     if rows != "all":
         decodes = rows == "decodes"
         cfg = config or choose_config(S, Hkv, group, D, decodes, q.device, q.dtype)
-        _launch(*args, *opts, cfg, seq_filter=1 if decodes else 2, split_q=1)
+        _launch(*args, *opts, cfg, 1 if decodes else 2, 1 if decodes else max_q, decodes)
     elif short or config is not None or not has_decodes:
         cfg = config or choose_config(S, Hkv, group, D, short, q.device, q.dtype, query_len=max_q)
-        _launch(*args, *opts, cfg, seq_filter=0, split_q=max_q)
+        # (decode-shaped tiles hold whole chunks; prefill tiles keep the search, as the
+        # launches the warm-up and the profile run compile)
+        one_tile = max_q <= cfg.block_m // group and (short or cfg.num_splits > 1)
+        _launch(*args, *opts, cfg, 0, max_q, one_tile)
     else:
         cfg = choose_config(S, Hkv, group, D, True, q.device, q.dtype)
-        _launch(*args, *opts, cfg, seq_filter=1, split_q=1)
+        _launch(*args, *opts, cfg, 1, 1, True)
         cfg = choose_config(S, Hkv, group, D, False, q.device, q.dtype)
-        _launch(*args, *opts, cfg, seq_filter=2, split_q=1)
+        _launch(*args, *opts, cfg, 2, max_q, False)
     return out
 
 
 def _launch(
     q, key_cache, value_cache, out, block_table, seq_lens, query_start_loc,
-    scale, sliding_window, soft_cap, cfg: AttentionConfig, seq_filter: int, split_q: int,
+    scale, sliding_window, soft_cap, cfg: AttentionConfig, seq_filter: int, max_q: int,
+    one_tile: bool,
 ) -> None:  # fmt: skip
-    """`split_q`: with a KV split, the most tokens a chunk the split serves has (each
-    such chunk fits in one query tile)."""
+    """`max_q`: the most tokens a chunk this launch serves has. `one_tile`: each fits in
+    one query tile, and the grid has one row per sequence (no search for it); a KV
+    split needs that."""
     T, Hq, D = q.shape
     _, block_size, Hkv, _ = key_cache.shape
     group = Hq // Hkv
@@ -527,13 +546,18 @@ def _launch(
     block_q = cfg.block_m // group
     if block_q < 1:
         raise ValueError(f"block_m {cfg.block_m} is smaller than the group size {group}")
-    if cfg.num_splits > 1:  # per sequence and token: splits serve one-tile chunks
+    if one_tile and max_q > block_q:
+        raise ValueError(f"chunks of {max_q} tokens do not fit in tiles of {block_q}")
+    split_q = max_q  # (a split's partials: per sequence and token of its chunk)
+    if cfg.num_splits > 1:
+        if not one_tile:
+            raise ValueError("a KV split needs every chunk in one query tile")
         rows = S * split_q * Hq * cfg.num_splits
         part = torch.empty(rows * head_pad, device=q.device, dtype=torch.float32)
         stat = torch.empty(rows * 2, device=q.device, dtype=torch.float32)
     else:
         part = stat = out  # not read
-    grid = (T // block_q + S, Hkv, cfg.num_splits)
+    grid = (S if one_tile else T // block_q + S, Hkv, cfg.num_splits)
     _paged_attention_kernel[grid](
         q,
         key_cache,
@@ -576,6 +600,7 @@ def _launch(
         SEQ_FILTER=seq_filter,
         K_ROWS=cfg.k_rows,
         LAZY_RESCALE=cfg.lazy_rescale,
+        ONE_TILE=one_tile,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
