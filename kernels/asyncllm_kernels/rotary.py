@@ -222,8 +222,8 @@ def rotate_into_kv_cache_(
     """`apply_rotary_` for q, and for k and v the paged KV cache write in the same launch
     (as `reshape_and_cache`): token i's rotated k and its v go to slot `slot_mapping[i]`
     of the [num_blocks, block_size, Hk, D] caches; a negative slot, or a token past
-    len(slot_mapping), writes nothing (slots past the tokens are not read). k itself is not rotated. The rotation must cover
-    whole heads."""
+    len(slot_mapping), writes nothing (slots past the tokens are not read). k itself is
+    not rotated. The rotation must cover whole heads."""
     rot_dim = cos_sin_cache.shape[-1]
     _check(q, k, rot_dim, norm_weights)
     if not (k.shape[-1] == v.shape[-1] == rot_dim):

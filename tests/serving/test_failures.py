@@ -173,7 +173,7 @@ async def test_overload_refuses_the_fifth_waiting_request_and_the_others_finish(
     )
 
 
-async def test_an_exception_in_the_core_reaches_every_stream_with_its_reason():
+async def _engine_failing_on_its_third_step() -> AsyncLLM:
     llm = AsyncLLM.from_engine_args(
         EngineArgs(
             device="cpu",
@@ -181,7 +181,11 @@ async def test_an_exception_in_the_core_reaches_every_stream_with_its_reason():
             distributed_executor_backend="tests.serving.failing_executor:FailOnThirdStep",
         )
     )
-    await llm.start()
+    return await llm.start()
+
+
+async def test_an_exception_in_the_core_reaches_every_stream_with_its_reason():
+    llm = await _engine_failing_on_its_third_step()
     params = SamplingParams(max_tokens=50, ignore_eos=True)
 
     async def stream(i):
@@ -202,14 +206,7 @@ async def test_a_request_added_after_the_core_exited_gets_the_cores_reason():
     """The core reports its exception and exits; a request added before the host has
     read that report (the loop is held here until the process is gone) still ends with
     the core's reason, not a bare "process exited"."""
-    llm = AsyncLLM.from_engine_args(
-        EngineArgs(
-            device="cpu",
-            max_model_len=256,
-            distributed_executor_backend="tests.serving.failing_executor:FailOnThirdStep",
-        )
-    )
-    await llm.start()
+    llm = await _engine_failing_on_its_third_step()
     params = SamplingParams(max_tokens=50, ignore_eos=True)
 
     async def stream(prompt):
