@@ -45,3 +45,44 @@ def test_triton_backend_matches_torch_native(tmp_path, arch, rotary_kernel, monk
     assert len(launches) == (5 * cfg.hf_config.num_hidden_layers if rotary_kernel else 0)
     rel = ((got - want).norm() / want.norm()).item()
     assert rel <= 1e-4, f"relative logits difference {rel:.2e}"
+
+
+def test_short_chunks_through_the_model_match_torch_native(tmp_path):
+    """Steps like a speculative verification's (1 to 5 tokens per sequence, every
+    position's logits) after the prompts: one launch of short tiles with the keys split
+    (2 sequences x 2 KV heads is fewer programs than the interpreter's 8 "SMs"), merged
+    per token, against torch-native attention on the same weights."""
+    from asyncllm_kernels.paged_attention import choose_config, short_launch
+    from tests.model.helpers import use_backend
+    from tests.model.paged_decoder import PagedDecoder
+
+    make_tiny_model("qwen3", tmp_path)
+    cfg = create_model_config(EngineArgs(model=str(tmp_path), device="cpu"))
+    model = load_model(cfg, TorchNativeBackend())
+    hf = cfg.hf_config
+    group = hf.num_attention_heads // hf.num_key_value_heads
+    assert short_launch(5, group)
+    split = choose_config(2, hf.num_key_value_heads, group, hf.head_dim, True,
+                          torch.device("cpu"), torch.float32, query_len=5).num_splits  # fmt: skip
+    assert split > 1
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 384, (n,), generator=gen).tolist() for n in (90, 40)]
+    steps = [[5, 3], [1, 5], [4, 2]]
+    drafts = [[torch.randint(0, 384, (n,), generator=gen).tolist() for n in s] for s in steps]
+
+    def run(backend):
+        use_backend(model, backend)
+        dec = PagedDecoder(model, backend, num_blocks=64)
+        sids = [dec.add_sequence() for _ in prompts]
+        dec.step(dict(zip(sids, prompts, strict=True)))
+        outs = []
+        for chunk in drafts:
+            step = dec.step(dict(zip(sids, chunk, strict=True)), all_logits=True)
+            outs += [step[s].reshape(-1, step[s].shape[-1]) for s in sids]
+        return torch.cat(outs).float()
+
+    with torch.no_grad():
+        got = run(TritonAttentionBackend())
+        want = run(TorchNativeBackend())
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel <= 1e-4, f"relative logits difference {rel:.2e}"
