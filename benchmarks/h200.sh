@@ -99,8 +99,9 @@ for s in "$@"; do
     serving-0.6b) stage "$s" python3 -m asyncllm.bench.serving "${Q06[@]}" "${SYNC[@]}" ;;
     profile-8b) stage "$s" python3 -m asyncllm.bench.step_profile "${L8[@]}" "${SYNC[@]}" --batch 1 256 ;;
     # (speculation on the embedded model, real weights: a passage to repeat after ~5k
-    # tokens of source, where each verification's attention reads thousands of keys)
-    spec-long) stage "$s" python3 -m asyncllm.bench.spec --dtype bfloat16 "${SYNC[@]}" \
+    # tokens of source, where each verification's attention reads thousands of keys; the
+    # script is this tree's, so that spec-long-base runs it on an older library)
+    spec-long) stage "$s" python3 -P src/asyncllm/bench/spec.py --dtype bfloat16 "${SYNC[@]}" \
         --workloads long grounded --batch-sizes 1 4 --iters 3 ;;
     # (decodes at three context lengths; then steps that are mostly one 12k-token prefill)
     profile-classes-0.6b) stage "$s" python3 -m asyncllm.bench.step_profile "${Q06[@]}" "${SYNC[@]}" \
