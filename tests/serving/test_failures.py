@@ -215,9 +215,8 @@ async def test_a_request_added_after_the_core_exited_gets_the_cores_reason():
 
     first = asyncio.create_task(stream({"prompt_token_ids": [1, 2, 3]}))
     await asyncio.sleep(0)  # the first request is sent (token ids: no tokenizer await)
-    pid = llm.engine_core_pid
-    while _pid_alive(pid):  # holds the loop, and so the output handler, meanwhile
-        time.sleep(0.01)
+    # Blocks the loop, and so the output handler, until the core's process has exited.
+    llm.client.process.proc.wait(timeout=30)
     late = asyncio.create_task(stream({"prompt_token_ids": [4, 5, 6]}))
     try:
         results = await asyncio.wait_for(asyncio.gather(first, late, return_exceptions=True), 10)
