@@ -498,11 +498,6 @@ def paged_attention(
         splits = config.num_splits
         if splits < 1 or splits & (splits - 1):
             raise ValueError(f"num_splits must be a power of two, got {splits}")
-        if splits > 1 and max_query_len > config.block_m // group:
-            raise ValueError(
-                f"a KV split needs every chunk in one query tile: max_query_len "
-                f"{max_query_len}, {config.block_m // group} tokens per tile"
-            )
     S = seq_lens.shape[0]
     if out is None:
         out = torch.empty_like(q)
@@ -546,13 +541,13 @@ def _launch(
     block_q = cfg.block_m // group
     if block_q < 1:
         raise ValueError(f"block_m {cfg.block_m} is smaller than the group size {group}")
-    if one_tile and max_q > block_q:
-        raise ValueError(f"chunks of {max_q} tokens do not fit in tiles of {block_q}")
-    split_q = max_q  # (a split's partials: per sequence and token of its chunk)
-    if cfg.num_splits > 1:
-        if not one_tile:
-            raise ValueError("a KV split needs every chunk in one query tile")
-        rows = S * split_q * Hq * cfg.num_splits
+    if cfg.num_splits > 1 and not one_tile:
+        raise ValueError(
+            f"a KV split needs every chunk in one query tile: chunks of up to {max_q} "
+            f"tokens, {block_q} tokens per tile"
+        )
+    if cfg.num_splits > 1:  # (partials per sequence and token of its chunk)
+        rows = S * max_q * Hq * cfg.num_splits
         part = torch.empty(rows * head_pad, device=q.device, dtype=torch.float32)
         stat = torch.empty(rows * 2, device=q.device, dtype=torch.float32)
     else:
@@ -569,7 +564,7 @@ def _launch(
         seq_lens,
         query_start_loc,
         S,
-        split_q,
+        max_q,
         scale,
         soft_cap or 1.0,
         sliding_window or 0,
@@ -610,7 +605,7 @@ def _launch(
             part,
             stat,
             query_start_loc,
-            split_q,
+            max_q,
             out.stride(0),
             out.stride(1),
             NUM_HEADS=Hq,
