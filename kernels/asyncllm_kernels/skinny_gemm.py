@@ -6,10 +6,7 @@ choices for some of these shapes reach far less on an H200 (Llama-3.1-8B's o_pro
 M=1: 0.58 of it; Qwen3-0.6B's: 0.08), and some need a second, split-K reduction kernel. Here one
 program owns BLOCK_N rows of w and streams them along K: the rows of x are padded to 16
 in registers, so one `tl.dot` per tile covers every M up to 16, with no reduction pass.
-The accumulation is float32; the output takes x's dtype. With `gated`, x is a merged
-gate/up projection's output and the kernel's input is silu(gate) * up, computed as its
-tiles load (as `silu_and_mul` computes it, rounded to x's dtype): the MLP's down
-projection without the activation's own launch and its pass over memory.
+The accumulation is float32; the output takes x's dtype.
 
 `skinny_config(M, N, K)` says whether (and how) to use it: the configs come from
 benchmarks/kernels/sweep_skinny_gemm.py on an H200, for the shapes where they beat
@@ -48,7 +45,6 @@ def _skinny_gemm_kernel(
     stride_om,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GATED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, 16)
@@ -62,12 +58,7 @@ def _skinny_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + offs_k) < K
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x_mask = m_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if GATED:  # x holds the gates; the ups are K columns to the right
-            gate = x.to(tl.float32)
-            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
-            x = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -75,21 +66,12 @@ def _skinny_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def skinny_gemm(
-    x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig, gated: bool = False
-) -> torch.Tensor:
-    """x: [M, K] with M <= 16, w: [N, K] (each with a unit stride along K) -> [M, N].
-    With `gated`, x is [M, 2K] (gates, then ups) and the result silu_and_mul(x) @ w.T."""
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig) -> torch.Tensor:
+    """x: [M, K] with M <= 16, w: [N, K] (each with a unit stride along K) -> [M, N]."""
     M, K = x.shape
     N, Kw = w.shape
-    if gated:
-        if K % 2:
-            raise ValueError(f"a gated x holds gates and ups: an even width, got {K}")
-        K //= 2
     if Kw != K:
-        raise ValueError(
-            f"x has {K} columns{' per half' if gated else ''} and w {Kw}: they must match"
-        )
+        raise ValueError(f"x has {K} columns and w {Kw}: they must match")
     if M > MAX_M:
         raise ValueError(f"skinny_gemm takes at most {MAX_M} rows, got {M}")
     if x.stride(1) != 1 or w.stride(1) != 1:
@@ -109,7 +91,6 @@ def skinny_gemm(
         out.stride(0),
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        GATED=gated,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -50,29 +50,3 @@ def test_a_tuned_linear_layer_takes_it_for_small_batches_and_cublas_beyond():
             else torch.nn.functional.linear(x, layer.weight)
         )
         assert torch.equal(layer(x), path), m  # the layer ran that kernel
-
-
-def test_a_gated_down_projection_equals_the_activation_then_the_layer():
-    """`RowParallelLinear(..., gated=True)` on a merged gate/up output: the skinny kernel
-    with the activation in its loads where the shape is tuned (M = 1: Qwen3-0.6B's and
-    Llama-3.1-8B's down projections), `silu_and_mul` then the GEMM elsewhere (equal to
-    the unfused layer there); a float32 reference of the activation's output either way."""
-    from asyncllm.model.layers.activation import silu_and_mul
-    from asyncllm.model.layers.linear import RowParallelLinear
-
-    for k, n in ((3072, 1024), (14336, 4096)):
-        layer = RowParallelLinear(k, n).to(device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
-            layer.weight.copy_(torch.randn(n, k, device="cuda") / k**0.5)
-        for m in (1, 4):
-            gate_up = (2 * torch.randn(m, 2 * k, device="cuda")).to(torch.bfloat16)
-            act = silu_and_mul(gate_up)
-            got = layer(gate_up, gated=True)
-            cfg = skinny_config(m, n, k, torch.bfloat16)
-            assert (cfg is not None) == (m == 1), (k, m)
-            if cfg is None:
-                assert torch.equal(got, layer(act)), (k, m)
-            else:
-                assert torch.equal(got, skinny_gemm(gate_up, layer.weight, cfg, gated=True))
-            want = act.float() @ layer.weight.float().T
-            assert ((got.float() - want).norm() / want.norm()).item() <= 4e-3, (k, m)

@@ -36,25 +36,6 @@ def test_a_row_slice_of_a_wider_input_is_read_by_its_stride():
     assert torch.allclose(got.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 5])
-def test_gated_input_is_the_activation_of_a_merged_gate_up_output(dtype, m):
-    """`gated`: the kernel's input is silu(gate) * up as `silu_and_mul_ref` rounds it,
-    read from a [M, 2K] gate/up output (K not a tile multiple)."""
-    from asyncllm_kernels.reference import silu_and_mul_ref
-
-    k = 72
-    gate_up, w = 2 * _rand(m, 2 * k, dtype=dtype, seed=m), _rand(40, k, dtype=dtype, seed=7)
-    got = skinny_gemm(gate_up, w, SkinnyConfig(16, 32, 4, 2), gated=True)
-    want = silu_and_mul_ref(gate_up).float() @ w.float().T
-    assert got.shape == (m, 40)
-    assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2), (got.float() - want).abs().max()
-    with pytest.raises(ValueError, match="per half"):
-        skinny_gemm(gate_up, w[:, :36], SkinnyConfig(16, 32, 4, 2), gated=True)
-    with pytest.raises(ValueError, match="even width"):
-        skinny_gemm(gate_up[:, :-1], w, SkinnyConfig(16, 32, 4, 2), gated=True)
-
-
 def test_bad_shapes_are_named():
     w = torch.zeros(16, 32, dtype=torch.float16, device=DEVICE)
     cfg = SkinnyConfig(16, 32, 4, 2)

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.distributed.parallel_state import get_tp_group
-from asyncllm.model.layers.activation import silu_and_mul
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -107,29 +106,17 @@ class LinearBase(nn.Module):
         self.packed_weight = pack_weight(self.weight)
         self.weight.data = self.weight.data.new_empty((0,))
 
-    def _matmul(
-        self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False
-    ) -> torch.Tensor:
-        """x @ W.T (+ bias); with `gated`, silu_and_mul(x) @ W.T, x being a merged
-        gate/up output: in the skinny GEMM's loads where it runs."""
-        if (
-            self.packed_weight is None
-            and x.is_cuda
-            and bias is None
-            and x.dim() == 2
-            and x.stride(1) == 1
-        ):
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, bias)
+        if x.is_cuda and bias is None and x.dim() == 2 and x.stride(1) == 1:
             # Small decode batches of the shapes tuned for it: the skinny GEMM kernel.
             from asyncllm_kernels.skinny_gemm import skinny_config, skinny_gemm
 
             n, k = self.weight.shape
             config = skinny_config(x.shape[0], n, k, x.dtype)
             if config is not None:
-                return skinny_gemm(x, self.weight, config, gated=gated)
-        if gated:
-            x = silu_and_mul(x)
-        if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, bias)
+                return skinny_gemm(x, self.weight, config)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -254,10 +241,8 @@ class RowParallelLinear(LinearBase):
         tp = get_tp_group()
         super().__init__(_divide(input_size, tp.world_size, "input size"), output_size, bias)
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """`gated`: x is a merged gate/up projection's output, and this layer's input
-        silu(gate) * up (an MLP's down projection), fused where the skinny GEMM runs."""
-        y = self._matmul(x, None, gated)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x, None)
         y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 

@@ -21,6 +21,7 @@ from torch import nn
 from asyncllm.model.attention.backend import AttentionBackend, AttentionLayerSpec
 from asyncllm.model.interface import CausalLM, KVCacheSpec
 from asyncllm.model.kv_groups import layer_sliding_window
+from asyncllm.model.layers.activation import silu_and_mul
 from asyncllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from asyncllm.model.layers.linear import (
     MergedColumnParallelLinear,
@@ -126,8 +127,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # silu(gate) * up: in the down projection's loads where it can (decode batches).
-        return self.down_proj(self.gate_up_proj(x), gated=True)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 def input_norm(
