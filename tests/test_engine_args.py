@@ -164,6 +164,25 @@ def test_the_fused_kv_write_can_be_turned_off_for_measuring(monkeypatch):
         TritonAttentionBackend()
 
 
+def test_pdl_is_asked_for_by_its_variable_and_never_reaches_the_cpu(monkeypatch):
+    """ASYNCLLM_PDL (default off; junk refused); even turned on, a kernel whose inputs
+    live on the CPU (Triton's interpreter) is launched without it."""
+    import torch
+
+    from asyncllm import envs
+    from asyncllm_kernels import pdl
+
+    monkeypatch.delenv("ASYNCLLM_PDL", raising=False)
+    assert envs.pdl_launch() is False
+    monkeypatch.setenv("ASYNCLLM_PDL", "1")
+    assert envs.pdl_launch() is True
+    monkeypatch.setenv("ASYNCLLM_PDL", "yes")
+    with pytest.raises(ValueError, match="ASYNCLLM_PDL"):
+        envs.pdl_launch()
+    monkeypatch.setattr(pdl, "_enabled", True)
+    assert pdl.options(torch.zeros(1)) == {"PDL": False}
+
+
 def test_speculative_config_is_completed_as_vllm_completes_it() -> None:
     def spec(**kw):
         return EngineArgs(speculative_config=kw).speculative_config

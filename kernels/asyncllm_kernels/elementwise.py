@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncllm_kernels import pdl
+
 
 @triton.jit
 def _reshape_and_cache_kernel(
@@ -23,7 +25,9 @@ def _reshape_and_cache_kernel(
     stride_v,
     width: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token)
     if slot < 0:  # padding: nothing to write
@@ -59,6 +63,7 @@ def reshape_and_cache(
         value2.stride(0),
         width,
         triton.next_power_of_2(width),
+        **pdl.options(key2),
     )
 
 
@@ -72,7 +77,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -109,12 +116,14 @@ def rms_norm(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(n),
+        **pdl.options(x),
     )
     return out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
@@ -131,5 +140,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     d = two_d // 2
     out = torch.empty(rows, d, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(d))
-    _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](x, out, d, BLOCK=block)
+    _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](x, out, d, BLOCK=block, **pdl.options(x))
     return out

@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncllm_kernels import pdl
+
 LOG2E = tl.constexpr(1.4426950408889634)
 # A decode split past the 16th is used once every split has this many key tiles.
 SPLIT_TILES = 8
@@ -210,7 +212,9 @@ def _paged_attention_kernel(
     K_ROWS: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
     ONE_TILE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     if ONE_TILE:
@@ -327,10 +331,12 @@ def _merge_splits_kernel(
     HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (sequence, head): merges the splits of each token of a chunk of
     1 to `split_q` tokens; other sequences (padding, or longer chunks of a mixed batch)
     are not this launch's."""
+    pdl.begin(PDL)
     seq = tl.program_id(0)
     h = tl.program_id(1)
     first_token = tl.load(query_start_ptr + seq)
@@ -598,6 +604,7 @@ def _launch(
         ONE_TILE=one_tile,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl.options(q),
     )
     if cfg.num_splits > 1:
         _merge_splits_kernel[(S, Hq)](
@@ -614,4 +621,5 @@ def _launch(
             NUM_SPLITS=cfg.num_splits,
             CHUNK=min(cfg.num_splits, 16),
             num_warps=8 if min(cfg.num_splits, 16) * head_pad >= 8192 else 4,
+            **pdl.options(q),
         )

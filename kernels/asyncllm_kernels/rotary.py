@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncllm_kernels import pdl
+
 
 @triton.jit
 def _rotate_heads(
@@ -82,12 +84,14 @@ def _rotary_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per token: its cos/sin row is read once for all q and k heads; with
     NORM, each head is RMS-normalised (q and k by their own weights) before rotating.
     With CACHE, the rotated k and the token's v go to its slot of the paged KV cache
     (none where the slot is negative or the token is past `num_slots`), and k itself
     is left as it was."""
+    pdl.begin(PDL)
     token = tl.program_id(0)
     pos = tl.load(pos_ptr + token)
     offs = tl.arange(0, HALF)
@@ -187,6 +191,7 @@ def _launch(
         BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         BLOCK_D=triton.next_power_of_2(rot_dim),
         num_warps=4,
+        **pdl.options(q),
     )
 
 

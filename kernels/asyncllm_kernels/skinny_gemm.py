@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncllm_kernels import pdl
+
 MAX_M = 16
 
 
@@ -45,7 +47,9 @@ def _skinny_gemm_kernel(
     stride_om,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, 16)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -93,6 +97,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig) -> torch
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl.options(x),
     )
     return out
 

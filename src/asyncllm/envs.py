@@ -33,6 +33,9 @@ so a test or a host that sets a variable before starting an engine is heard.
 - `ASYNCLLM_FUSED_KV_WRITE`: `0` has the attention backend's own launch write each
   step's K/V into the paged cache, after the rotary launch, instead of that launch
   (for measuring the fusion; default `1`).
+- `ASYNCLLM_PDL`: `1` launches asyncllm's Triton kernels on sm_90 and later GPUs with
+  programmatic dependent launch, so that in a CUDA graph each one's programs are placed
+  while the previous kernel's last ones run (asyncllm_kernels/pdl.py; default `0`).
 - `ASYNCLLM_WORKER_START_TIMEOUT_S`: how long the multiprocess (or Ray) executor waits for
   every worker to build its model before the start fails, naming the ranks not ready (a
   rendezvous that never completes, a stalled load; default `900`).
@@ -58,6 +61,7 @@ VARIABLES = (
     "ASYNCLLM_WORKER_START_TIMEOUT_S",
     "ASYNCLLM_FLASHINFER_SAMPLING",
     "ASYNCLLM_FUSED_KV_WRITE",
+    "ASYNCLLM_PDL",
 )
 PP_LAYER_PARTITION = "ASYNCLLM_PP_LAYER_PARTITION"
 
@@ -86,6 +90,15 @@ def fused_kv_write() -> bool:
     value = os.environ.get("ASYNCLLM_FUSED_KV_WRITE", "1")
     if value not in ("0", "1"):
         raise ValueError(f"ASYNCLLM_FUSED_KV_WRITE must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def pdl_launch() -> bool:
+    """Whether asyncllm's Triton kernels are launched with programmatic dependent launch
+    ($ASYNCLLM_PDL, default 0)."""
+    value = os.environ.get("ASYNCLLM_PDL", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"ASYNCLLM_PDL must be 0 or 1, got {value!r}")
     return value == "1"
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from asyncllm import envs
 from asyncllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from asyncllm.step_io import ModelRunnerOutput, SchedulerOutput
 from asyncllm.worker.model_runner import ModelRunner
@@ -56,6 +57,9 @@ class Worker:
         self.device = config.model.device
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            from asyncllm_kernels import pdl
+
+            pdl.enable(envs.pdl_launch())
         torch.manual_seed(config.model.seed)
         # What the process held before this engine (other engines in it, for one).
         self._baseline = (

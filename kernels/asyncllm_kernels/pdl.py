@@ -1,0 +1,58 @@
+"""Programmatic dependent launch (PDL) for this package's kernels, on sm_90 and later.
+
+In a CUDA graph of a small decode step most kernels last a few microseconds, and the
+time from one kernel's end to the next one's start is a visible share of the step.
+With PDL on, each kernel here is launched with the programmatic stream-serialization
+attribute: the next kernel's programs may be placed on the SMs once every program of
+the current one has started, and wait there. Each kernel's programs begin with
+`griddepcontrol.wait`, before they read anything, so nothing is read before the
+previous kernel has finished and its writes are visible; then they signal
+`griddepcontrol.launch_dependents`. A kernel that follows one launched without the
+attribute (cuBLAS, torch's own) starts as it always did.
+
+Off by default: `enable(True)` turns it on for the process (the engine does so from
+`ASYNCLLM_PDL=1`); it stays off on older GPUs and under Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+_enabled = False
+
+
+def enable(on: bool) -> None:
+    """Launch this package's kernels with PDL (where the GPU has it) from now on."""
+    global _enabled
+    _enabled = on
+
+
+@functools.cache
+def _supported(device_index: int) -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def options(t: torch.Tensor) -> dict[str, Any]:
+    """The launch keywords of a kernel whose inputs include `t`: its `PDL` constexpr and,
+    where it is on, Triton's `launch_pdl` option."""
+    if _enabled and t.is_cuda and _supported(t.device.index or 0):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@triton.jit
+def begin(PDL: tl.constexpr):
+    """A program's first step: wait for the previous kernel, then let the next one be
+    placed (no-ops without PDL)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
