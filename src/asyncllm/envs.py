@@ -84,22 +84,24 @@ def flashinfer_sampling_enabled() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
+def _switch(name: str, default: str) -> bool:
+    """A variable that is 0 or 1; anything else is refused, naming it."""
+    value = os.environ.get(name, default)
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def fused_kv_write() -> bool:
     """Whether the rotary launch may write the step's K/V into the cache
     ($ASYNCLLM_FUSED_KV_WRITE, default 1)."""
-    value = os.environ.get("ASYNCLLM_FUSED_KV_WRITE", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"ASYNCLLM_FUSED_KV_WRITE must be 0 or 1, got {value!r}")
-    return value == "1"
+    return _switch("ASYNCLLM_FUSED_KV_WRITE", "1")
 
 
 def pdl_launch() -> bool:
     """Whether asyncllm's Triton kernels are launched with programmatic dependent launch
     ($ASYNCLLM_PDL, default 0)."""
-    value = os.environ.get("ASYNCLLM_PDL", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"ASYNCLLM_PDL must be 0 or 1, got {value!r}")
-    return value == "1"
+    return _switch("ASYNCLLM_PDL", "0")
 
 
 def log_level() -> str:
