@@ -47,8 +47,7 @@ def _layer(state, w):
     return skinny_gemm(silu_and_mul(skinny_gemm(h2, w["gate_up"], w["cfg"])), w["down"], w["cfg"])
 
 
-def _inputs(gen, T, blocks, dev):
-    dt = torch.bfloat16
+def _inputs(gen, T, blocks, dev, dt):
     table = torch.randperm(blocks, generator=gen).to(dev).view(T, -1)[:, : (CTX + 1) // BLOCK + 1]
     pos = torch.full((T,), CTX, device=dev)
     slots = (table[:, CTX // BLOCK] * BLOCK + CTX % BLOCK).to(torch.int64)
@@ -89,7 +88,7 @@ def test_a_graph_of_pdl_launches_equals_plain_launches(monkeypatch):
         "cfg": SkinnyConfig(32, 128, 4, 3),
     }
     T, blocks = 4, 4 * 64
-    cases = [_inputs(gen, T, blocks, dev) for _ in range(3)]
+    cases = [_inputs(gen, T, blocks, dev, dt) for _ in range(3)]
 
     monkeypatch.setattr(pdl, "_enabled", False)
     want = []
