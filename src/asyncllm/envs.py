@@ -33,7 +33,7 @@ so a test or a host that sets a variable before starting an engine is heard.
 - `ASYNCLLM_FUSED_KV_WRITE`: `0` has the attention backend's own launch write each
   step's K/V into the paged cache, after the rotary launch, instead of that launch
   (for measuring the fusion; default `1`).
-- `ASYNCLLM_PDL`: `1` launches asyncllm's Triton kernels on sm_90 and later GPUs with
+- `ASYNCLLM_PDL`: `1` launches a decoder layer's Triton kernels on sm_90 and later GPUs with
   programmatic dependent launch, so that in a CUDA graph each one's programs are placed
   while the previous kernel's last ones run (asyncllm_kernels/pdl.py; default `0`).
 - `ASYNCLLM_WORKER_START_TIMEOUT_S`: how long the multiprocess (or Ray) executor waits for
