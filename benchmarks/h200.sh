@@ -47,6 +47,13 @@ export FLASHINFER_WORKSPACE_BASE=/tmp/fi-base
 if compgen -G ".fi/jit.part.*" > /dev/null && [ ! -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
     mkdir -p "$FLASHINFER_WORKSPACE_BASE" && cat .fi/jit.part.* | tar -C "$FLASHINFER_WORKSPACE_BASE" -xJf -
 fi
+# Triton's compiled kernels from an earlier machine (.tc/triton.part.*, written by the
+# tc-cache stage under $OUT): a kernel whose source, options and Triton are unchanged is
+# not compiled again (the test and benchmark stages compile hundreds of variants)
+export TRITON_CACHE_DIR=/tmp/triton-cache
+if compgen -G ".tc/triton.part.*" > /dev/null && [ ! -d "$TRITON_CACHE_DIR" ]; then
+    mkdir -p "$TRITON_CACHE_DIR" && cat .tc/triton.part.* | tar -C "$TRITON_CACHE_DIR" -xJf -
+fi
 export PYTHONPATH=src:kernels:$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export ASYNCLLM_CACHE=/tmp/asyncllm-cache
 Q06=(--model benchmarks/configs/qwen3-0.6b --load-format dummy --skip-tokenizer-init --dtype bfloat16)
@@ -138,12 +145,16 @@ for s in "$@"; do
     shared-prefix-0.6b) stage "$s" python3 -m asyncllm.bench.throughput "${Q06[@]}" "${SYNC[@]}" --workload shared-prefix ;;
     # FlashInfer's compiled kernels, for the next machine (.fi/jit.part.*: 15 MB pieces)
     fi-cache) stage "$s" bash -c "tar -C $FLASHINFER_WORKSPACE_BASE -cf - .cache | xz -T16 -3 | split -b 15000000 -d - $OUT/jit.part.; ls -la $OUT" ;;
+    # Triton's compiled kernels, for the next machine (.tc/triton.part.*: 15 MB pieces)
+    tc-cache) stage "$s" bash -c "tar -C $TRITON_CACHE_DIR -cf - . | xz -T16 -3 | split -b 15000000 -d - $OUT/triton.part.; ls -la $OUT" ;;
     sweep-decode) stage "$s" python3 benchmarks/kernels/sweep_decode.py ;;
     sweep-large-decode) stage "$s" python3 benchmarks/kernels/sweep_decode.py --large ;;
     sweep-skinny) stage "$s" python3 benchmarks/kernels/sweep_skinny_gemm.py ;;
+    sweep-skinny-8b) stage "$s" python3 benchmarks/kernels/sweep_skinny_gemm.py llama8b.qkv llama8b.gate_up ;;
     sweep-prefill) stage "$s" python3 benchmarks/kernels/sweep_prefill.py ;;
     timeline-0.6b) stage "$s" python3 benchmarks/throughput_timeline.py "${Q06[@]}" "${SYNC[@]}" ;;
     timeline-8b) stage "$s" python3 benchmarks/throughput_timeline.py "${L8[@]}" "${SYNC[@]}" ;;
+    timeline-prefill-0.6b) stage "$s" python3 benchmarks/throughput_timeline.py "${Q06[@]}" "${SYNC[@]}" --workload prefill ;;
     profile-long-0.6b) stage "$s" python3 -m asyncllm.bench.step_profile "${Q06[@]}" "${SYNC[@]}" --batch 64 256 --input-len 768 ;;
     # (also the constrained outputs, for `structured_overhead.py --paths`)
     structured-throughput) stage "$s" python3 benchmarks/structured_throughput.py --device cuda \

@@ -4,7 +4,9 @@ weight copies that each call reads its weight from device memory (not L2). Print
 shape and M, cuBLAS's time and bandwidth, the best config's, and the config that is best
 over all M (the one `TUNED` should hold), with its worst ratio to cuBLAS.
 
-    PYTHONPATH=src:kernels python3 benchmarks/kernels/sweep_skinny_gemm.py [--quick]
+    PYTHONPATH=src:kernels python3 benchmarks/kernels/sweep_skinny_gemm.py [--quick] [SHAPE ...]
+
+(SHAPE: a name of SHAPES, such as llama8b.qkv: only those shapes.)
 """
 
 from __future__ import annotations
@@ -53,10 +55,16 @@ def time_calls(fn, x, weights) -> float:
 
 def main() -> None:
     quick = "--quick" in sys.argv
+    only = [a for a in sys.argv[1:] if not a.startswith("--")]
+    unknown = set(only) - {name for name, _, _ in SHAPES}
+    if unknown:
+        raise SystemExit(f"unknown shapes {sorted(unknown)}; known: {[s[0] for s in SHAPES]}")
     dev = torch.device("cuda")
     torch.manual_seed(0)
     rows = []
     for name, n, k in SHAPES:
+        if only and name not in only:
+            continue
         nbytes = n * k * 2
         copies = max(4, min(64, -(-4 * L2_BYTES // nbytes)))
         weights = [
