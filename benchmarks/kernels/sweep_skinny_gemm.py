@@ -59,12 +59,11 @@ def main() -> None:
     unknown = set(only) - {name for name, _, _ in SHAPES}
     if unknown:
         raise SystemExit(f"unknown shapes {sorted(unknown)}; known: {[s[0] for s in SHAPES]}")
+    shapes = [s for s in SHAPES if not only or s[0] in only]
     dev = torch.device("cuda")
     torch.manual_seed(0)
     rows = []
-    for name, n, k in SHAPES:
-        if only and name not in only:
-            continue
+    for name, n, k in shapes:
         nbytes = n * k * 2
         copies = max(4, min(64, -(-4 * L2_BYTES // nbytes)))
         weights = [
