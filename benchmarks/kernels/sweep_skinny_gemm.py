@@ -6,7 +6,7 @@ over all M (the one `TUNED` should hold), with its worst ratio to cuBLAS.
 
     PYTHONPATH=src:kernels python3 benchmarks/kernels/sweep_skinny_gemm.py [--quick] [SHAPE ...]
 
-(SHAPE: a name of SHAPES, such as llama8b.qkv: only those shapes.)
+(SHAPE: a name of SHAPES, such as llama8b.qkv, or "moe" for MOE_SHAPES: only those shapes.)
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from asyncllm_kernels.skinny_gemm import SkinnyConfig, skinny_gemm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import COPY_BW, graph_time_calls_us, write_json  # noqa: E402
 
-# (name, N, K): the fused qkv, o_proj, fused gate_up and down_proj of each shape.
-SHAPES = [
+# (name, N, K): the fused qkv, o_proj, fused gate_up and down_proj of each dense shape.
+DENSE_SHAPES = [
     ("llama8b.qkv", 6144, 4096),
     ("llama8b.o", 4096, 4096),
     ("llama8b.gate_up", 28672, 4096),
@@ -35,6 +35,19 @@ SHAPES = [
     ("qwen06b.gate_up", 6144, 1024),
     ("qwen06b.down", 1024, 3072),
 ]
+# The dense layers of the mixture-of-experts shapes (their experts are fused_moe's):
+# Qwen3-30B-A3B's qkv and o_proj; DeepSeek-V2-Lite's q_proj, kv_a_proj_with_mqa, o_proj
+# and its two shared experts' gate_up and down.
+MOE_SHAPES = [
+    ("qwen30b.qkv", 5120, 2048),
+    ("qwen30b.o", 2048, 4096),
+    ("dsv2lite.q", 3072, 2048),
+    ("dsv2lite.kv_a", 576, 2048),
+    ("dsv2lite.o", 2048, 2048),
+    ("dsv2lite.shared_gate_up", 5632, 2048),
+    ("dsv2lite.shared_down", 2048, 2816),
+]
+SHAPES = DENSE_SHAPES + MOE_SHAPES
 MS = (1, 2, 4, 8, 16)
 L2_BYTES = 50 << 20
 
@@ -56,6 +69,8 @@ def time_calls(fn, x, weights) -> float:
 def main() -> None:
     quick = "--quick" in sys.argv
     only = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if "moe" in only:
+        only = [a for a in only if a != "moe"] + [name for name, _, _ in MOE_SHAPES]
     unknown = set(only) - {name for name, _, _ in SHAPES}
     if unknown:
         raise SystemExit(f"unknown shapes {sorted(unknown)}; known: {[s[0] for s in SHAPES]}")
