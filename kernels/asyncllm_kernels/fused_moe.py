@@ -12,6 +12,11 @@ batch's tokens chose it.
     y[s] = weight[s] * (a @ w2[e].T)  (w2: [E, H, I])
     out[t] = sum over k of y[t * K + k]
 
+The first GEMM's programs take a gate tile and the up tile of the same columns, so `a` is
+written by its epilogue (h is never stored), and only the blocks that can hold a slot are
+launched: a layer is four launches (sort, two GEMMs, the sum), which at batch 1 is most
+of its time.
+
 The sort runs on the device with fixed-size outputs (no host sync), so a step can be
 captured in a CUDA graph. `reference.fused_moe_ref` is the same in plain torch, expert
 by expert: the CPU path, and the kernel's reference in tests.
@@ -22,8 +27,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from asyncllm_kernels.elementwise import silu_and_mul
 
 # Up to this many slots (decode batches up to about 170 tokens at 6 experts each) the
 # sort is one program's launch; past it the program's tile loop costs more than the torch
@@ -159,6 +162,7 @@ def _grouped_gemm_kernel(
     stride_wn,
     stride_cm,
     A_ROW_DIV: tl.constexpr,
+    GATED: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -180,13 +184,21 @@ def _grouped_gemm_kernel(
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # (GATED: the up columns)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + offs_k) < K
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc += tl.dot(a, w, input_precision=PRECISION)
+        if GATED:
+            w_up = tl.load(
+                w_ptrs + N * stride_wn, mask=k_mask[:, None] & n_mask[None, :], other=0.0
+            )
+            up += tl.dot(a, w_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if GATED:  # silu(gate) * up, in float32
+        acc = acc / (1.0 + tl.exp(-acc)) * up
     if MUL_WEIGHT:
         rw = tl.load(weights_ptr + slots, mask=valid, other=0.0)
         acc = acc * rw.to(tl.float32)[:, None]
@@ -202,13 +214,17 @@ def _grouped_gemm(
     topk_weights: torch.Tensor | None,
     a_row_div: int,
     block_m: int,
+    gated: bool = False,
 ) -> None:
+    """out = a's rows @ w[expert].T for each sorted slot; `gated`: w's rows are gate
+    then up (2N of them) and out = silu(gate) * up, N columns."""
     sorted_slots, block_experts, num_padded = routing
     num_slots = out.shape[0]
-    N, K = w.shape[1], w.shape[2]
+    N, K = w.shape[1] // 2 if gated else w.shape[1], w.shape[2]
     block_n = 64 if N >= 64 else triton.next_power_of_2(max(N, 16))
     block_k = 64 if K >= 64 else triton.next_power_of_2(max(K, 16))
-    grid = (sorted_slots.numel() // block_m, triton.cdiv(N, block_n))
+    # (every block that holds a slot holds at least one: no more than num_slots of them)
+    grid = (min(sorted_slots.numel() // block_m, num_slots), triton.cdiv(N, block_n))
     weights = topk_weights if topk_weights is not None else out
     _grouped_gemm_kernel[grid](
         a,
@@ -226,6 +242,7 @@ def _grouped_gemm(
         w.stride(1),
         out.stride(0),
         A_ROW_DIV=a_row_div,
+        GATED=gated,
         MUL_WEIGHT=topk_weights is not None,
         # (float32 products in full precision, not TF32: the reference's)
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -249,7 +266,8 @@ def fused_moe(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """out [T, H] for x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights/ids [T, K]
-    (see the module docstring); x's dtype, float32 accumulation."""
+    (see the module docstring); x's dtype, float32 accumulation. (Routing weights in
+    float32, as `softmax_topk` gives them, take no conversion launch.)"""
     T, H = x.shape
     K = topk_ids.shape[1]
     E, two_i, _ = w13.shape
@@ -258,13 +276,12 @@ def fused_moe(
     x = x.contiguous()
     block_m = block_m_for(T, K, E)
     routing = align_slots_by_expert(topk_ids, E, block_m)
-    h = torch.empty(T * K, two_i, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, h, routing, None, K, block_m)
-    a = silu_and_mul(h)
+    a = torch.empty(T * K, two_i // 2, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, a, routing, None, K, block_m, gated=True)
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
     weights = topk_weights.flatten().to(torch.float32).contiguous()
     _grouped_gemm(a, w2, y, routing, weights, 1, block_m)
-    return y.view(T, K, H).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return y.view(T, K, H).sum(dim=1)  # (accumulated in float32 for half types)
 
 
 @triton.jit
@@ -277,6 +294,7 @@ def _softmax_topk_kernel(
     scaling,
     K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    ROUND: tl.constexpr,  # (None, or the dtype the weights are rounded through)
     BLOCK_E: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -294,23 +312,33 @@ def _softmax_topk_kernel(
         tl.store(weights_ptr + t * K + k, best)
         total += best
         p = tl.where(offs == idx, -1.0, p)
-    if RENORMALIZE:
+    if RENORMALIZE or scaling != 1.0 or ROUND is not None:
         for k in tl.static_range(K):
             w = tl.load(weights_ptr + t * K + k)
-            tl.store(weights_ptr + t * K + k, w / total * scaling)
-    elif scaling != 1.0:
-        for k in tl.static_range(K):
-            w = tl.load(weights_ptr + t * K + k)
-            tl.store(weights_ptr + t * K + k, w * scaling)
+            if RENORMALIZE:
+                w = w / total
+            w = w * scaling
+            if ROUND is not None:
+                w = w.to(ROUND).to(tl.float32)
+            tl.store(weights_ptr + t * K + k, w)
+
+
+_ROUND = {None: None, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def softmax_topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, scaling: float = 1.0
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    scaling: float = 1.0,
+    round_to: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k] int64), best first: the k highest
     softmax probabilities of each row (computed in float32), renormalised to sum to 1 when
-    asked, times `scaling`; one launch (torch's softmax, topk and scaling take three or
-    more)."""
+    asked, times `scaling`, and rounded through `round_to` (bfloat16 or float16) when
+    given; one launch (torch's softmax, topk, scaling and casts take three or more)."""
+    if round_to not in _ROUND:
+        raise ValueError(f"round_to must be bfloat16, float16 or None, got {round_to}")
     T, E = router_logits.shape
     weights = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
@@ -326,6 +354,7 @@ def softmax_topk(
         float(scaling),
         K=top_k,
         RENORMALIZE=renormalize,
+        ROUND=_ROUND[round_to],
         BLOCK_E=triton.next_power_of_2(E),
     )
     return weights, ids

@@ -101,14 +101,34 @@ def test_the_one_program_sort_equals_the_torch_one(T, K, E, block_m):
         assert g_.dtype == w_.dtype and torch.equal(g_, w_)
 
 
-@pytest.mark.parametrize("renormalize,scaling", [(False, 1.0), (True, 1.0), (False, 1.5)])
-def test_the_routing_kernel_equals_softmax_and_topk(renormalize, scaling):
+# (the interpreter has no bfloat16: it rounds through float16 on CPU)
+HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+
+
+@pytest.mark.parametrize(
+    "renormalize,scaling,round_to",
+    [(False, 1.0, None), (True, 1.0, None), (False, 1.5, None), (True, 1.0, HALF)],
+)
+def test_the_routing_kernel_equals_softmax_and_topk(renormalize, scaling, round_to):
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(9, 20, generator=g).to(DEVICE)
-    weights, ids = softmax_topk(logits, 3, renormalize, scaling)
+    weights, ids = softmax_topk(logits, 3, renormalize, scaling, round_to)
     probs = torch.softmax(logits.float(), -1)
     want_w, want_ids = torch.topk(probs, 3, dim=-1)
     if renormalize:
         want_w = want_w / want_w.sum(-1, keepdim=True)
+    want_w = want_w * scaling
     assert torch.equal(ids, want_ids)
-    assert torch.allclose(weights, want_w * scaling, rtol=1e-5, atol=1e-7)
+    assert weights.dtype == torch.float32
+    if round_to is None:
+        assert torch.allclose(weights, want_w, rtol=1e-5, atol=1e-7)
+    else:  # (each weight a value of the half type: the nearest to the float32 one)
+        assert torch.equal(weights, weights.to(round_to).float())
+        assert torch.allclose(weights, want_w.to(round_to).float(), rtol=1e-2, atol=0)
+        assert (weights != want_w).any()  # (rounded, not passed through)
+
+
+def test_the_routing_kernel_refuses_other_rounding_types():
+    logits = torch.randn(2, 8).to(DEVICE)
+    with pytest.raises(ValueError, match="round_to"):
+        softmax_topk(logits, 2, True, round_to=torch.float64)

@@ -21,19 +21,27 @@ from asyncllm_kernels.reference import fused_moe_ref
 
 
 def select_experts(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    round_to: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k]): the k highest softmax scores of each
-    token, renormalised to sum to 1 when asked (Qwen3-MoE's `norm_topk_prob`). On CUDA
-    one Triton launch (`asyncllm_kernels.fused_moe.softmax_topk`)."""
+    token, renormalised to sum to 1 when asked (Qwen3-MoE's `norm_topk_prob`), rounded
+    through `round_to` when given (a half type: the activations'). On CUDA one Triton
+    launch (`asyncllm_kernels.fused_moe.softmax_topk`)."""
+    if round_to == torch.float32:
+        round_to = None
     if router_logits.is_cuda:
         from asyncllm_kernels.fused_moe import softmax_topk  # (imports triton)
 
-        return softmax_topk(router_logits, top_k, renormalize)
+        return softmax_topk(router_logits, top_k, renormalize, round_to=round_to)
     scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(scores, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if round_to is not None:
+        weights = weights.to(round_to).float()
     return weights, ids
 
 
@@ -144,16 +152,17 @@ class FusedMoE(nn.Module):
         return name
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """Routes by softmax top-k (`select_experts`), then `apply`."""
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        """Routes by softmax top-k (`select_experts`, the weights rounded to x's dtype
+        with `round_weights`), then `apply_experts`."""
+        round_to = x.dtype if self.round_weights else None
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize, round_to)
         return self.apply_experts(x, weights, ids)
 
     def apply_experts(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
-        """The routed experts' outputs summed: weights and expert ids [T, top_k]."""
-        if self.round_weights:
-            weights = weights.to(x.dtype)
+        """The routed experts' outputs summed: weights (used as given, in float32) and
+        expert ids [T, top_k]."""
         if x.is_cuda:
             from asyncllm_kernels.fused_moe import fused_moe  # (imports triton)
 
