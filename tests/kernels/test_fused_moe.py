@@ -110,6 +110,16 @@ HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
     [(False, 1.0, None), (True, 1.0, None), (False, 1.5, None), (True, 1.0, HALF)],
 )
 def test_the_routing_kernel_equals_softmax_and_topk(renormalize, scaling, round_to):
+    _check_routing(renormalize, scaling, round_to)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+def test_the_routing_kernel_rounds_through_bfloat16_on_cuda():
+    _check_routing(True, 1.0, torch.bfloat16)
+
+
+def _check_routing(renormalize, scaling, round_to):
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(9, 20, generator=g).to(DEVICE)
     weights, ids = softmax_topk(logits, 3, renormalize, scaling, round_to)
