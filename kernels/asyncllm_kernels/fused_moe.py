@@ -24,6 +24,8 @@ by expert: the CPU path, and the kernel's reference in tests.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -206,7 +208,26 @@ def _grouped_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
-def _grouped_gemm(
+@dataclass(frozen=True)
+class GroupedConfig:
+    """A grouped GEMM's tiles along N and K, and its launch options."""
+
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def grouped_config(n: int, k: int) -> GroupedConfig:
+    """The tiles for N output columns and K inputs (64 each, or the dimension's power of
+    two at least 16 where it is smaller)."""
+    return GroupedConfig(
+        block_n=64 if n >= 64 else triton.next_power_of_2(max(n, 16)),
+        block_k=64 if k >= 64 else triton.next_power_of_2(max(k, 16)),
+    )
+
+
+def grouped_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
     out: torch.Tensor,
@@ -215,16 +236,19 @@ def _grouped_gemm(
     a_row_div: int,
     block_m: int,
     gated: bool = False,
+    config: GroupedConfig | None = None,
 ) -> None:
-    """out = a's rows @ w[expert].T for each sorted slot; `gated`: w's rows are gate
-    then up (2N of them) and out = silu(gate) * up, N columns."""
+    """out[s] = a[s // a_row_div] @ w[expert of s].T for each sorted slot s (`routing`
+    from `align_slots_by_expert` with `block_m`), times the slot's routing weight when
+    `topk_weights` is given; `gated`: w's rows are gate then up (2N of them) and out
+    takes silu(gate) * up, N columns. `config`: the tiles (`grouped_config` by
+    default)."""
     sorted_slots, block_experts, num_padded = routing
     num_slots = out.shape[0]
     N, K = w.shape[1] // 2 if gated else w.shape[1], w.shape[2]
-    block_n = 64 if N >= 64 else triton.next_power_of_2(max(N, 16))
-    block_k = 64 if K >= 64 else triton.next_power_of_2(max(K, 16))
+    cfg = config or grouped_config(N, K)
     # (every block that holds a slot holds at least one: no more than num_slots of them)
-    grid = (min(sorted_slots.numel() // block_m, num_slots), triton.cdiv(N, block_n))
+    grid = (min(sorted_slots.numel() // block_m, num_slots), triton.cdiv(N, cfg.block_n))
     weights = topk_weights if topk_weights is not None else out
     _grouped_gemm_kernel[grid](
         a,
@@ -247,8 +271,10 @@ def _grouped_gemm(
         # (float32 products in full precision, not TF32: the reference's)
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 
@@ -277,10 +303,10 @@ def fused_moe(
     block_m = block_m_for(T, K, E)
     routing = align_slots_by_expert(topk_ids, E, block_m)
     a = torch.empty(T * K, two_i // 2, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, a, routing, None, K, block_m, gated=True)
+    grouped_gemm(x, w13, a, routing, None, K, block_m, gated=True)
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
     weights = topk_weights.flatten().to(torch.float32).contiguous()
-    _grouped_gemm(a, w2, y, routing, weights, 1, block_m)
+    grouped_gemm(a, w2, y, routing, weights, 1, block_m)
     return y.view(T, K, H).sum(dim=1)  # (accumulated in float32 for half types)
 
 

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from asyncllm_kernels.fused_moe import (
+    GroupedConfig,
     align_slots_by_expert,
     align_slots_by_expert_torch,
     fused_moe,
+    grouped_gemm,
     softmax_topk,
 )
 from asyncllm_kernels.reference import fused_moe_ref
@@ -82,6 +84,18 @@ def _check(dtype, T, E, K, H, inter, skew):
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     err = ((got.float() - want).norm() / want.norm()).item()
     assert err <= tol, err
+
+
+@pytest.mark.parametrize("config", [None, GroupedConfig(16, 32, 4, 3), GroupedConfig(32, 16, 2, 2)])
+def test_the_gated_grouped_gemm_writes_silu_of_gate_times_up(config):
+    T, E, K, H, inter = 3, 4, 2, 40, 24  # (H and inter off the tiles)
+    x, w13, _, _, ids = _layer(T, E, K, H, inter, torch.float32, seed=7)
+    a = torch.full((T * K, inter), float("nan"), device=DEVICE)
+    grouped_gemm(x, w13, a, align_slots_by_expert(ids, E, 16), None, K, 16, True, config)
+    for s, e in enumerate(ids.flatten().tolist()):
+        h = x[s // K] @ w13[e].T
+        want = torch.nn.functional.silu(h[:inter]) * h[inter:]
+        assert torch.allclose(a[s], want, rtol=1e-4, atol=1e-5), s
 
 
 def test_no_tokens_give_an_empty_output():

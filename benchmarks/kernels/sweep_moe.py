@@ -1,0 +1,115 @@
+"""The mixture-of-experts layers' two grouped GEMMs (`asyncllm_kernels.fused_moe`) of
+Qwen3-30B-A3B and DeepSeek-V2-Lite at decode sizes (1-256 tokens), bf16: the default
+tiles against tile sizes along N and K, warps and stages, each timed by CUDA-graph replay
+over several routings (so that most experts' weights come from device memory, not L2).
+Prints, per shape, token count and GEMM, the floor (the routed experts' weight bytes at
+COPY_BW), the default's time and the best config's, and the whole layer (`fused_moe`:
+sort, both GEMMs, the sum).
+
+    PYTHONPATH=src:kernels python3 benchmarks/kernels/sweep_moe.py [--quick]
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+from triton.runtime.errors import OutOfResources
+
+from asyncllm_kernels.fused_moe import (
+    GroupedConfig,
+    align_slots_by_expert,
+    block_m_for,
+    fused_moe,
+    grouped_gemm,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import COPY_BW, graph_time_calls_us, write_json  # noqa: E402
+
+# (name, experts, top_k, hidden, expert intermediate size)
+SHAPES = [("qwen30b", 128, 8, 2048, 768), ("dsv2lite", 64, 6, 2048, 1408)]
+TOKENS = (1, 8, 64, 256)
+ROUTINGS = 8
+
+
+def configs(quick: bool) -> list[GroupedConfig]:
+    if quick:
+        return [GroupedConfig(32, 128, 4, 3), GroupedConfig(64, 64, 4, 3)]
+    return [
+        GroupedConfig(bn, bk, w, st)
+        for bn, bk, w, st in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4))
+        if bn * bk <= 8192
+    ]
+
+
+def sweep(name: str, E: int, K: int, H: int, inter: int, T: int, quick: bool) -> dict:
+    """One shape at T tokens: the layer, then each GEMM under the default and every config."""
+    dev = torch.device("cuda")
+    w13 = torch.randn(E, 2 * inter, H, device=dev, dtype=torch.bfloat16) / H**0.5
+    w2 = torch.randn(E, H, inter, device=dev, dtype=torch.bfloat16) / inter**0.5
+    block_m = block_m_for(T, K, E)
+    sets = []
+    for _ in range(ROUTINGS):
+        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+        weights, ids = torch.topk(torch.softmax(torch.randn(T, E, device=dev), -1), K, dim=-1)
+        routing = align_slots_by_expert(ids, E, block_m)
+        a = torch.empty(T * K, inter, device=dev, dtype=torch.bfloat16)
+        y = torch.empty(T * K, H, device=dev, dtype=torch.bfloat16)
+        sets.append((x, weights, ids, routing, a, y))
+    routed = sum(len(set(s[2].flatten().tolist())) for s in sets) / ROUTINGS
+    floor = routed * 3 * inter * H * 2 / COPY_BW * 1e6
+    layer = graph_time_calls_us([lambda s=s: fused_moe(s[0], w13, w2, s[1], s[2]) for s in sets])
+    print(
+        f"{name} T={T:3d}: {routed:5.1f} experts routed, floor {floor:6.1f} us, "
+        f"the layer {layer:6.1f} us ({floor / layer:4.2f})",
+        flush=True,
+    )
+    row: dict = dict(shape=name, tokens=T, experts_routed=routed, floor_us=floor, layer_us=layer)
+
+    def gate_up(s, cfg):
+        grouped_gemm(s[0], w13, s[4], s[3], None, K, block_m, True, cfg)
+
+    def down(s, cfg):
+        grouped_gemm(s[4], w2, s[5], s[3], s[1].flatten(), 1, block_m, False, cfg)
+
+    for gemm, call, out, share in (("gate_up", gate_up, 4, 2 / 3), ("down", down, 5, 1 / 3)):
+        default = graph_time_calls_us([lambda s=s, f=call: f(s, None) for s in sets])
+        call(sets[0], None)
+        want = sets[0][out].float().clone()
+        timed: dict[GroupedConfig, float] = {}
+        for cfg in configs(quick):
+            try:
+                call(sets[0], cfg)
+            except OutOfResources:
+                continue
+            err = ((sets[0][out].float() - want).norm() / want.norm()).item()
+            if err > 1e-2:
+                raise AssertionError(f"{name} T={T} {gemm} {cfg}: relative error {err}")
+            timed[cfg] = graph_time_calls_us([lambda s=s, c=cfg, f=call: f(s, c) for s in sets])
+        best = min(timed, key=timed.__getitem__)
+        print(
+            f"  {gemm:8s} floor {floor * share:6.1f} us | default {default:6.1f} us "
+            f"({floor * share / default:4.2f}) | best {timed[best]:6.1f} us "
+            f"({floor * share / timed[best]:4.2f}) {best}",
+            flush=True,
+        )
+        row[gemm] = dict(default_us=default, configs={str(c): t for c, t in timed.items()})
+    return row
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    torch.manual_seed(0)
+    rows = []
+    for name, E, K, H, inter in SHAPES:
+        for T in TOKENS:
+            rows.append(sweep(name, E, K, H, inter, T, quick))
+            torch.cuda.empty_cache()
+    write_json("sweep_moe", rows)
+
+
+if __name__ == "__main__":
+    main()
