@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU-machine runs of the engine benchmarks and GPU tests, one stage per argument
-# (a stage that is a test path runs those GPU tests), each logged to $OUT/<stage>.log
-# (or ./h200-logs without $OUT). Run from the repository root with the machine's own
+# (a stage that is a test path runs those GPU tests), each logged to <stage>.log in
+# $OUT/logs.tgz, refreshed after every stage (a call returns at most 8 files from $OUT,
+# and what a cut call left is there too; ./h200-logs without $OUT, as plain files). Run
+# from the repository root with the machine's own
 # python3. The wheels it lacks come from benchmarks/gpu_wheels.sh: .whl_a/ holds the
 # small ones and the first part of the embedded model's wheel, .whl_b/ the rest (each
 # under a call's 64 MiB); send .whl_a with one call and .whl_b with the next while the
@@ -15,8 +17,13 @@
 #       A/B at one sitting: `mkdir -p .base && git archive REV src kernels | tar -x -C .base`,
 #       then carry .base)
 set -uo pipefail
-OUT=${OUT:-h200-logs}
-mkdir -p "$OUT"
+if [ -n "${OUT:-}" ]; then
+    LOGS=/tmp/h200-logs
+else
+    OUT=h200-logs
+    LOGS=$OUT
+fi
+mkdir -p "$OUT" "$LOGS"
 SITE=/tmp/site
 if [ -d .whl_a ] && [ ! -d "$SITE/msgspec" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -70,10 +77,11 @@ stage() {
     shift
     echo "== $name: $*"
     local t0=$SECONDS
-    "$@" > "$OUT/$name.log" 2>&1
+    "$@" > "$LOGS/$name.log" 2>&1
     local rc=$?
     echo "== $name: rc $rc in $((SECONDS - t0)) s"
-    grep -v '^{' "$OUT/$name.log" | tail -n 25
+    grep -v '^{' "$LOGS/$name.log" | tail -n 25
+    [ "$LOGS" = "$OUT" ] || tar -C "$LOGS" -czf "$OUT/logs.tgz" .
 }
 
 for s in "$@"; do
