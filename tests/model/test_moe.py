@@ -71,6 +71,12 @@ def test_routing_and_bad_expert_weights():
     assert ids.tolist() == [[0, 1]] and torch.allclose(weights.sum(-1), torch.ones(1))
     raw, _ = select_experts(logits, 2, renormalize=False)
     assert torch.allclose(raw, torch.softmax(logits, -1)[:, :2])
+    # Rounded through a half type (the activations'); a wider type leaves them as they are
+    half, _ = select_experts(logits, 2, renormalize=False, round_to=torch.bfloat16)
+    assert half.dtype == torch.float32 and torch.equal(half, raw.to(torch.bfloat16).float())
+    assert not torch.equal(half, raw)
+    wide, _ = select_experts(logits, 2, renormalize=False, round_to=torch.float64)
+    assert wide.dtype == torch.float32 and torch.equal(wide, raw)
     moe = FusedMoE(num_experts=4, top_k=2, hidden_size=8, intermediate_size=6, renormalize=True)
     with pytest.raises(ValueError, match="expert 4 out of range"):
         moe.load_expert(4, "gate_proj", torch.zeros(6, 8))

@@ -30,8 +30,8 @@ def select_experts(
     token, renormalised to sum to 1 when asked (Qwen3-MoE's `norm_topk_prob`), rounded
     through `round_to` when given (a half type: the activations'). On CUDA one Triton
     launch (`asyncllm_kernels.fused_moe.softmax_topk`)."""
-    if round_to == torch.float32:
-        round_to = None
+    if round_to not in (torch.bfloat16, torch.float16):
+        round_to = None  # (float32 weights already round to float32 or wider)
     if router_logits.is_cuda:
         from asyncllm_kernels.fused_moe import softmax_topk  # (imports triton)
 
