@@ -175,7 +175,12 @@ class Worker:
                 graphs.pool_bytes, r.graph_estimate_bytes, free, r.activation_peak_bytes
             )
             if warning is not None:
-                logger.warning(warning)
+                costliest = sorted(graphs.bytes_by_key.items(), key=lambda kv: -kv[1])[:5]
+                logger.warning(
+                    "%s (the costliest captures, (sequences, query length): MiB: %s)",
+                    warning,
+                    ", ".join(f"{key}: {b / 2**20:.1f}" for key, b in costliest),
+                )
         t0 = time.monotonic()
         if self.startup.warm_up_attention():
             r.seconds["warm up mixed steps"] = time.monotonic() - t0
