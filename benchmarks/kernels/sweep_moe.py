@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from triton.runtime.errors import OutOfResources
@@ -33,6 +34,17 @@ from timing import COPY_BW, graph_time_calls_us, write_json  # noqa: E402
 SHAPES = [("qwen30b", 128, 8, 2048, 768), ("dsv2lite", 64, 6, 2048, 1408)]
 TOKENS = (1, 8, 64, 256)
 ROUTINGS = 8
+
+
+class Inputs(NamedTuple):
+    """One routing's inputs, and the two GEMMs' outputs (`a` is the second's input)."""
+
+    x: torch.Tensor
+    weights: torch.Tensor
+    ids: torch.Tensor
+    routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    a: torch.Tensor
+    y: torch.Tensor
 
 
 def configs(quick: bool) -> list[GroupedConfig]:
@@ -55,13 +67,14 @@ def sweep(name: str, E: int, K: int, H: int, inter: int, T: int, quick: bool) ->
     for _ in range(ROUTINGS):
         x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
         weights, ids = torch.topk(torch.softmax(torch.randn(T, E, device=dev), -1), K, dim=-1)
-        routing = align_slots_by_expert(ids, E, block_m)
         a = torch.empty(T * K, inter, device=dev, dtype=torch.bfloat16)
         y = torch.empty(T * K, H, device=dev, dtype=torch.bfloat16)
-        sets.append((x, weights, ids, routing, a, y))
-    routed = sum(len(set(s[2].flatten().tolist())) for s in sets) / ROUTINGS
+        sets.append(Inputs(x, weights, ids, align_slots_by_expert(ids, E, block_m), a, y))
+    routed = sum(len(set(s.ids.flatten().tolist())) for s in sets) / ROUTINGS
     floor = routed * 3 * inter * H * 2 / COPY_BW * 1e6
-    layer = graph_time_calls_us([lambda s=s: fused_moe(s[0], w13, w2, s[1], s[2]) for s in sets])
+    layer = graph_time_calls_us(
+        [lambda s=s: fused_moe(s.x, w13, w2, s.weights, s.ids) for s in sets]
+    )
     print(
         f"{name} T={T:3d}: {routed:5.1f} experts routed, floor {floor:6.1f} us, "
         f"the layer {layer:6.1f} us ({floor / layer:4.2f})",
@@ -69,23 +82,24 @@ def sweep(name: str, E: int, K: int, H: int, inter: int, T: int, quick: bool) ->
     )
     row: dict = dict(shape=name, tokens=T, experts_routed=routed, floor_us=floor, layer_us=layer)
 
-    def gate_up(s, cfg):
-        grouped_gemm(s[0], w13, s[4], s[3], None, K, block_m, True, cfg)
+    def gate_up(s: Inputs, cfg: GroupedConfig | None) -> torch.Tensor:
+        grouped_gemm(s.x, w13, s.a, s.routing, None, K, block_m, True, cfg)
+        return s.a
 
-    def down(s, cfg):
-        grouped_gemm(s[4], w2, s[5], s[3], s[1].flatten(), 1, block_m, False, cfg)
+    def down(s: Inputs, cfg: GroupedConfig | None) -> torch.Tensor:
+        grouped_gemm(s.a, w2, s.y, s.routing, s.weights.flatten(), 1, block_m, False, cfg)
+        return s.y
 
-    for gemm, call, out, share in (("gate_up", gate_up, 4, 2 / 3), ("down", down, 5, 1 / 3)):
+    for gemm, call, share in (("gate_up", gate_up, 2 / 3), ("down", down, 1 / 3)):
         default = graph_time_calls_us([lambda s=s, f=call: f(s, None) for s in sets])
-        call(sets[0], None)
-        want = sets[0][out].float().clone()
+        want = call(sets[0], None).float().clone()
         timed: dict[GroupedConfig, float] = {}
         for cfg in configs(quick):
             try:
-                call(sets[0], cfg)
+                got = call(sets[0], cfg).float()
             except OutOfResources:
                 continue
-            err = ((sets[0][out].float() - want).norm() / want.norm()).item()
+            err = ((got - want).norm() / want.norm()).item()
             if err > 1e-2:
                 raise AssertionError(f"{name} T={T} {gemm} {cfg}: relative error {err}")
             timed[cfg] = graph_time_calls_us([lambda s=s, c=cfg, f=call: f(s, c) for s in sets])
