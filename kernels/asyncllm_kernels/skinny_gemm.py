@@ -1,4 +1,5 @@
-"""y = x @ w.T for the few rows of a small decode batch (x: [M <= 16, K], w: [N, K]).
+"""y = x @ w.T for the few rows of a small decode batch (x: [M <= 16, K], w: [N, K]),
+optionally with its neighbours in the same launch.
 
 At batch 1-16 a linear layer is a stream of its weight: the time is the weight's bytes
 over the memory bandwidth, if enough of the GPU's SMs are loading at once. cuBLAS's
@@ -8,9 +9,21 @@ program owns BLOCK_N rows of w and streams them along K: the rows of x are padde
 in registers, so one `tl.dot` per tile covers every M up to 16, with no reduction pass.
 The accumulation is float32; the output takes x's dtype.
 
-`skinny_config(M, N, K)` says whether (and how) to use it: the configs come from
-benchmarks/kernels/sweep_skinny_gemm.py on an H200, for the shapes where they beat
-cuBLAS; `None` means use cuBLAS.
+At these sizes each launch of a few microseconds is a visible share of a decoder layer,
+so the kernel can take in the launches beside it (each a constexpr switch):
+- `norm_weight`: RMSNorm of x first (x * weight * rsqrt(mean(x²) + eps)). Each program
+  sums the squares of the x tiles it loads anyway and scales its float32 sums by the
+  row's rsqrt at the end; x * weight is rounded to x's dtype before the dot (bfloat16
+  only: in float16 the unnormalized product can overflow).
+- `gated`: w holds the gate rows then the up rows ([2N, K]); the output is
+  silu(x @ gate.T) * (x @ up.T), [M, N], computed in float32 (the MLP's gate/up).
+- `add_to`: the result is added into that [M, N] tensor in place, in float32 with one
+  rounding (a residual stream).
+
+`skinny_config(M, N, K)` says whether (and how) to use it for a plain product: the configs
+come from benchmarks/kernels/sweep_skinny_gemm.py on an H200, for the shapes where they
+beat cuBLAS; `None` means use cuBLAS. `fused_config` answers for a product with its
+neighbours fused, where one launch instead of two pays even at cuBLAS's speed.
 """
 
 from __future__ import annotations
@@ -39,14 +52,19 @@ def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
+    norm_ptr,
     M,
     N,
     K,
     stride_xm,
     stride_wn,
     stride_om,
+    eps,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr,
+    GATED: tl.constexpr,
+    ADD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.begin(PDL)
@@ -58,43 +76,91 @@ def _skinny_gemm_kernel(
     n_mask = offs_n < N
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    up_ptrs = w_ptrs + N * stride_wn  # (GATED: the up rows follow the N gate rows)
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    squares = tl.zeros([16], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + offs_k) < K
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if NORM:
+            x32 = x.to(tl.float32)
+            squares += tl.sum(x32 * x32, axis=1)
+            g = tl.load(norm_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = (x32 * g[None, :]).to(w.dtype)
         acc = tl.dot(x, tl.trans(w), acc)
+        if GATED:
+            u = tl.load(up_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            up = tl.dot(x, tl.trans(u), up)
+            up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if NORM:
+        rstd = tl.rsqrt(squares / K + eps)
+        acc = acc * rstd[:, None]
+        up = up * rstd[:, None]
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * up
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if ADD:
+        acc += tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig) -> torch.Tensor:
-    """x: [M, K] with M <= 16, w: [N, K] (each with a unit stride along K) -> [M, N]."""
+def skinny_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    config: SkinnyConfig,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    gated: bool = False,
+    add_to: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x: [M, K] with M <= 16, w: [N, K] (each with a unit stride along K) -> [M, N]:
+    x @ w.T, of rms_norm(x, norm_weight, eps) where a norm weight ([K]) is given; with
+    `gated`, silu(x @ gate.T) * (x @ up.T), [M, N / 2]; with `add_to`, added into it in
+    place (and it is returned)."""
     M, K = x.shape
-    N, Kw = w.shape
+    rows, Kw = w.shape
     if Kw != K:
         raise ValueError(f"x has {K} columns and w {Kw}: they must match")
     if M > MAX_M:
         raise ValueError(f"skinny_gemm takes at most {MAX_M} rows, got {M}")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("x and w need a unit stride along K")
-    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    if gated and rows % 2:
+        raise ValueError(f"a gated w holds gate and up rows alike: {rows} rows is odd")
+    if norm_weight is not None and tuple(norm_weight.shape) != (K,):
+        raise ValueError(f"norm_weight has shape {tuple(norm_weight.shape)}, expected ({K},)")
+    N = rows // 2 if gated else rows
+    if add_to is None:
+        out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    elif tuple(add_to.shape) != (M, N) or add_to.stride(1) != 1:
+        raise ValueError(f"add_to must be a [{M}, {N}] tensor with a unit stride along N")
+    else:
+        out = add_to
     if M == 0:
         return out
     _skinny_gemm_kernel[(triton.cdiv(N, config.block_n),)](
         x,
         w,
         out,
+        norm_weight if norm_weight is not None else x,
         M,
         N,
         K,
         x.stride(0),
         w.stride(0),
         out.stride(0),
+        eps,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
+        NORM=norm_weight is not None,
+        GATED=gated,
+        ADD=add_to is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl.options(x),
@@ -121,9 +187,29 @@ TUNED: dict[tuple[int, int], tuple[tuple[int, SkinnyConfig], ...]] = {
 
 
 def skinny_config(m: int, n: int, k: int, dtype: torch.dtype) -> SkinnyConfig | None:
+    """The config for a plain [m, k] x [n, k] product, or None where cuBLAS is faster."""
     if dtype not in (torch.bfloat16, torch.float16):
         return None
     for largest, config in TUNED.get((n, k), ()):
         if m <= largest:
             return config
     return None
+
+
+def fused_config(m: int, n: int, k: int, dtype: torch.dtype, gated: bool = False) -> SkinnyConfig:
+    """The config for a product with a neighbour fused in (w: [n, k], n counting a gated
+    w's gate and up rows): the tuned one where the shape has one, else 32-row blocks at
+    M = 1 with long K tiles (16-row blocks where 32 would leave the last wave of programs
+    mostly empty on a 132-SM card, and for a gated w, whose programs load two blocks), and
+    shorter K tiles, deeper pipelined, above."""
+    if dtype not in (torch.bfloat16, torch.float16) or not 1 <= m <= MAX_M:
+        raise ValueError(f"no small-batch kernel for {m} rows of {dtype}")
+    if not gated:
+        tuned = skinny_config(m, n, k, dtype)
+        if tuned is not None:
+            return tuned
+    blocks32 = triton.cdiv(n // 2 if gated else n, 32)
+    block_n = 16 if gated or (blocks32 > 132 and blocks32 % 132 < 66) else 32
+    if m == 1:
+        return SkinnyConfig(block_n, 512, 4, 3)
+    return SkinnyConfig(block_n, 128, 4, 6)

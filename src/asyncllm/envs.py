@@ -33,6 +33,10 @@ so a test or a host that sets a variable before starting an engine is heard.
 - `ASYNCLLM_FUSED_KV_WRITE`: `0` has the attention backend's own launch write each
   step's K/V into the paged cache, after the rotary launch, instead of that launch
   (for measuring the fusion; default `1`).
+- `ASYNCLLM_FUSED_GEMM`: `0` runs the RMSNorm before a small decode batch's linear
+  layer, silu(gate) * up after its gate/up projection and the residual add after its
+  output projections in launches of their own, instead of in the layer's GEMM launch
+  (for measuring the fusion; default `1`).
 - `ASYNCLLM_PDL`: `1` launches a decoder layer's Triton kernels on sm_90 and later GPUs with
   programmatic dependent launch, so that in a CUDA graph each one's programs are placed
   while the previous kernel's last ones run (asyncllm_kernels/pdl.py; default `0`).
@@ -61,6 +65,7 @@ VARIABLES = (
     "ASYNCLLM_WORKER_START_TIMEOUT_S",
     "ASYNCLLM_FLASHINFER_SAMPLING",
     "ASYNCLLM_FUSED_KV_WRITE",
+    "ASYNCLLM_FUSED_GEMM",
     "ASYNCLLM_PDL",
 )
 PP_LAYER_PARTITION = "ASYNCLLM_PP_LAYER_PARTITION"
@@ -96,6 +101,12 @@ def fused_kv_write() -> bool:
     """Whether the rotary launch may write the step's K/V into the cache
     ($ASYNCLLM_FUSED_KV_WRITE, default 1)."""
     return _switch("ASYNCLLM_FUSED_KV_WRITE", "1")
+
+
+def fused_gemm() -> bool:
+    """Whether a small decode batch's linear layers take in the norm before them, the
+    gate or the residual add after them ($ASYNCLLM_FUSED_GEMM, default 1)."""
+    return _switch("ASYNCLLM_FUSED_GEMM", "1")
 
 
 def pdl_launch() -> bool:

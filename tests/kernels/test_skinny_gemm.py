@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncllm_kernels.skinny_gemm import MAX_M, SkinnyConfig, skinny_config, skinny_gemm
+from asyncllm_kernels.reference import rms_norm_ref, silu_and_mul_ref
+from asyncllm_kernels.skinny_gemm import (
+    MAX_M,
+    SkinnyConfig,
+    fused_config,
+    skinny_config,
+    skinny_gemm,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter (numpy) has no bfloat16: that dtype is checked on the GPU only.
@@ -55,3 +62,64 @@ def test_only_tuned_16_bit_shapes_get_a_config_and_only_up_to_their_largest_m():
     assert one is not None and many is not None and one != many
     assert skinny_config(8, 1024, 2048, torch.bfloat16) is None  # cuBLAS is as fast there
     assert skinny_config(17, 4096, 4096, torch.bfloat16) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 5, MAX_M])
+@pytest.mark.parametrize("norm,gated,add", [(1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 0), (1, 0, 1)])
+def test_fused_neighbours_equal_their_float32_references(dtype, m, norm, gated, add):
+    """RMSNorm before, silu(gate) * up after, the residual add after: each alone and the
+    decoder layer's pairs, against float32 torch (K = 72: not a tile multiple)."""
+    n, k, eps = 40, 72, 1e-5
+    x = _rand(m, k, dtype=dtype, seed=m) * 3
+    w = _rand(2 * n if gated else n, k, dtype=dtype, seed=7) / 4
+    g = (1 + _rand(k, dtype=torch.float32, seed=9) / 4).to(DEVICE)
+    residual = _rand(m, n, dtype=dtype, seed=11)
+    x32 = rms_norm_ref(x.float(), g, eps) if norm else x.float()
+    want = x32 @ w.float().T
+    if gated:
+        want = silu_and_mul_ref(want)
+    if add:
+        want = want + residual.float()
+    target = residual.clone() if add else None
+    got = skinny_gemm(
+        x,
+        w,
+        SkinnyConfig(16, 32, 4, 2),
+        norm_weight=g if norm else None,
+        eps=eps,
+        gated=bool(gated),
+        add_to=target,
+    )
+    assert got.dtype == dtype and got.shape == (m, n)
+    if add:
+        assert got is target  # (in place)
+    err = (got.float() - want).abs().max() / want.abs().max()
+    assert err < 1e-2, err
+
+
+def test_fused_arguments_are_checked_by_name():
+    cfg = SkinnyConfig(16, 32, 4, 2)
+    x = torch.zeros(2, 32, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="odd"):
+        skinny_gemm(x, torch.zeros(15, 32, dtype=torch.float16, device=DEVICE), cfg, gated=True)
+    w = torch.zeros(16, 32, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="norm_weight"):
+        skinny_gemm(x, w, cfg, norm_weight=torch.ones(16, device=DEVICE))
+    with pytest.raises(ValueError, match="add_to"):
+        skinny_gemm(x, w, cfg, add_to=torch.zeros(2, 8, dtype=torch.float16, device=DEVICE))
+
+
+def test_fused_config_takes_the_tuned_one_else_a_default_by_rows():
+    assert fused_config(1, 4096, 4096, torch.bfloat16) == skinny_config(
+        1, 4096, 4096, torch.bfloat16
+    )
+    one, many = (
+        fused_config(1, 6144, 4096, torch.bfloat16),
+        fused_config(9, 6144, 4096, torch.bfloat16),
+    )
+    assert one.block_k > many.block_k and one.block_n == 16  # (192 blocks of 32: a thin wave)
+    assert fused_config(1, 2048, 4096, torch.bfloat16).block_n == 32
+    assert fused_config(1, 28672, 4096, torch.bfloat16, gated=True).block_n == 16
+    with pytest.raises(ValueError, match="17 rows"):
+        fused_config(17, 4096, 4096, torch.bfloat16)

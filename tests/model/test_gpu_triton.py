@@ -75,6 +75,38 @@ def test_qwen3_shaped_model(tmp_path, dtype, tol):
     _compare(_qwen3_shaped(tmp_path, dtype), QWEN3_06B["vocab_size"], tol)
 
 
+def test_fused_small_batch_gemms_equal_the_launches_apart(tmp_path, monkeypatch):
+    """bfloat16, the Qwen3 shape: decodes of 4 rows through the skinny GEMM with its
+    neighbours fused (the norms into qkv and gate/up, the gate, the adds into o_proj and
+    down) against the same model with every launch apart (the switch that
+    ASYNCLLM_FUSED_GEMM=0 sets); each kind of fused launch is taken."""
+    import asyncllm_kernels.skinny_gemm as skinny
+    from asyncllm.model.attention.triton_attn import TritonAttentionBackend
+    from asyncllm.model.layers.linear import LinearBase
+
+    model = _qwen3_shaped(tmp_path, "bfloat16")
+    kinds = set()
+    kernel = skinny.skinny_gemm
+
+    def counted(x, w, config, **fused):
+        norm, gated, add = (fused.get(k) for k in ("norm_weight", "gated", "add_to"))
+        kinds.add((norm is not None, bool(gated), add is not None))
+        return kernel(x, w, config, **fused)
+
+    monkeypatch.setattr(skinny, "skinny_gemm", counted)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 151936, (n,), generator=gen).tolist() for n in (700, 45, 1, 300)]
+    with torch.no_grad():
+        got = run_steps_with_backend(model, TritonAttentionBackend(), prompts, 8)
+        for module in model.modules():
+            if isinstance(module, LinearBase):
+                module.fuse_neighbours = False
+        want = run_steps_with_backend(model, TritonAttentionBackend(), prompts, 8)
+    assert {(True, False, False), (True, True, False), (False, False, True)} <= kinds
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel <= 2e-2, f"relative logits difference {rel:.2e}"
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("flashinfer") is None, reason="flashinfer is not installed"
 )

@@ -8,6 +8,13 @@ Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` th
 copies only the rank's slice of a full checkpoint tensor into it, so checkpoints stream
 straight into sharded parameters. At tensor-parallel size 1 the slice is the whole.
 A size the group cannot shard is refused at construction with a ValueError naming it.
+
+At decode batches of at most 16 rows on CUDA (16-bit, no bias) a layer can take in its
+neighbours' launches through the skinny GEMM kernel (asyncllm_kernels/skinny_gemm.py):
+the RMSNorm before it (an input given as a `PendingNorm`), silu(gate) * up after the
+merged gate/up projection (`gated`), and the residual add after a row-parallel layer at
+tensor-parallel size 1 (`forward_into`). Elsewhere each runs in its own launch, with the
+same result up to rounding. `ASYNCLLM_FUSED_GEMM=0` turns the fusions off.
 """
 
 from __future__ import annotations
@@ -18,7 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncllm import envs
 from asyncllm.distributed.parallel_state import get_tp_group
+from asyncllm.model.layers.activation import silu_and_mul
+from asyncllm.model.layers.norm import PendingNorm, RMSNorm
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -98,6 +108,7 @@ class LinearBase(nn.Module):
         self.weight = _param((output_size, input_size), self.weight_loader)
         self.bias = _param((output_size,), self.weight_loader) if bias else None
         self.packed_weight: torch.Tensor | None = None
+        self.fuse_neighbours = envs.fused_gemm()
 
     def pack_for_cpu(self) -> None:
         """Called once the weights are loaded: the layer computes with the packed copy
@@ -119,6 +130,47 @@ class LinearBase(nn.Module):
                 return skinny_gemm(x, self.weight, config)
         return F.linear(x, self.weight, bias)
 
+    def _small_batch(
+        self,
+        x: torch.Tensor | PendingNorm,
+        gated: bool = False,
+        add_to: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """This layer in one skinny GEMM launch with its neighbours (the pending norm of
+        x, the gate, the add into `add_to`), or None where that kernel does not apply;
+        the caller then runs them apart."""
+        pending = x if isinstance(x, PendingNorm) else None
+        t = pending.residual if pending is not None else x
+        assert isinstance(t, torch.Tensor)
+        if not (
+            self.fuse_neighbours
+            and t.is_cuda
+            and t.dim() == 2
+            and 1 <= t.shape[0] <= 16
+            and t.dtype in (torch.bfloat16, torch.float16)
+            and t.stride(1) == 1
+            and self.bias is None
+        ):
+            return None
+        # (the norm only in bfloat16: x * weight before the scaling could overflow float16)
+        if pending is not None and (type(pending.norm) is not RMSNorm or t.dtype != torch.bfloat16):
+            return None
+        from asyncllm_kernels.skinny_gemm import fused_config, skinny_gemm
+
+        n, k = self.weight.shape
+        config = fused_config(t.shape[0], n, k, t.dtype, gated)
+        if pending is None:
+            return skinny_gemm(t, self.weight, config, gated=gated, add_to=add_to)
+        return skinny_gemm(
+            pending.stream(),
+            self.weight,
+            config,
+            norm_weight=pending.norm.weight,
+            eps=pending.norm.eps,
+            gated=gated,
+            add_to=add_to,
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
@@ -138,7 +190,12 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, _divide(output_size, tp.world_size, "output size"), bias)
         self.gather_output = gather_output
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        if isinstance(x, PendingNorm):
+            y = None if self.gather_output else self._small_batch(x)
+            if y is not None:
+                return y
+            x = x.resolve()
         y = super().forward(x)
         return self.tp.all_gather(y, -1) if self.gather_output else y
 
@@ -184,6 +241,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             )
         rank = self.tp.rank_in_group
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+
+    def gated(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        """silu(gate) * up of the two outputs (gate, then up): in the GEMM's own launch
+        at small batches, else by `silu_and_mul` after it."""
+        if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
+            raise ValueError(f"gated needs two equal outputs, not {self.output_sizes}")
+        if not self.gather_output:
+            y = self._small_batch(x, gated=True)
+            if y is not None:
+                return y
+        return silu_and_mul(self(x))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -245,6 +313,14 @@ class RowParallelLinear(LinearBase):
         y = self._matmul(x, None)
         y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
+
+    def forward_into(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+        """Adds the output into `residual` in the GEMM's own launch where it can (then
+        None), else returns the output, for the next norm to add with its own."""
+        if self.tp.world_size == 1 and residual.shape == (x.shape[0], self.output_size):
+            if self._small_batch(x, add_to=residual) is not None:
+                return None
+        return self(x)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         name = getattr(param, "checkpoint_name", "?")

@@ -3,9 +3,15 @@
 On CUDA one Triton kernel does the add, the norm and the scaling; elsewhere the
 kernel's plain-torch reference does the same. Either way the residual is updated in
 place to x + residual.
+
+A decoder layer hands its norms to the linear layers after them as a `PendingNorm`:
+at small batches on CUDA the linear layer's own launch normalizes its input
+(layers/linear.py), and otherwise `resolve()` runs the norm as above.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -38,3 +44,36 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm_ref(x, self.weight, self.eps)
         return rms_norm_ref(x, self.weight, self.eps, residual), residual
+
+
+@dataclass(frozen=True)
+class PendingNorm:
+    """`norm(x + residual)` (`norm(residual)` where x is None), left to the one linear
+    layer that consumes it. Either way of computing it leaves x + residual in the
+    residual, in place, as RMSNorm does: the residual stream."""
+
+    norm: RMSNorm
+    x: torch.Tensor | None
+    residual: torch.Tensor
+
+    @staticmethod
+    def of(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> PendingNorm:
+        """A decoder layer's input norm: the first layer's residual is its input (nothing
+        to add); a later one's x is what the layer before left to add (None: nothing)."""
+        if residual is None:
+            return PendingNorm(norm, None, x)
+        return PendingNorm(norm, x, residual)
+
+    def resolve(self) -> torch.Tensor:
+        """The normalized tensor (the norm's own launch, the add fused in)."""
+        if self.x is None:
+            return self.norm(self.residual)
+        out, _ = self.norm(self.x, self.residual)
+        return out
+
+    def stream(self) -> torch.Tensor:
+        """The residual with x added (in place, where x is pending): what a kernel that
+        normalizes its own input reads."""
+        if self.x is not None:
+            self.residual.add_(self.x)
+        return self.residual

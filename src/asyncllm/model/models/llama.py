@@ -21,7 +21,6 @@ from torch import nn
 from asyncllm.model.attention.backend import AttentionBackend, AttentionLayerSpec
 from asyncllm.model.interface import CausalLM, KVCacheSpec
 from asyncllm.model.kv_groups import layer_sliding_window
-from asyncllm.model.layers.activation import silu_and_mul
 from asyncllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from asyncllm.model.layers.linear import (
     MergedColumnParallelLinear,
@@ -29,7 +28,7 @@ from asyncllm.model.layers.linear import (
     RowParallelLinear,
     set_weight_attrs,
 )
-from asyncllm.model.layers.norm import RMSNorm
+from asyncllm.model.layers.norm import PendingNorm, RMSNorm
 from asyncllm.model.layers.rotary import RotaryEmbedding, get_rope, rope_parameters
 from asyncllm.model.pipeline import (
     HIDDEN_STATES,
@@ -61,11 +60,18 @@ class PagedSelfAttention(nn.Module):
     kv_size: int
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any
-    ) -> torch.Tensor:
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor | PendingNorm,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """The attention block's output; with a `residual`, added into it where the output
+        projection's launch can (then None: layers/linear.py)."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        T = x.shape[0]
+        T = qkv.shape[0]
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
@@ -82,7 +88,10 @@ class PagedSelfAttention(nn.Module):
         else:
             q, k = self.rotary_emb(positions, q, k, norms)
             out = self.backend.forward(self.spec, q, k, v, kv_cache, attn_metadata)
-        return self.o_proj(out.reshape(T, self.q_size))
+        out = out.reshape(T, self.q_size)
+        if residual is not None:
+            return self.o_proj.forward_into(out, residual)
+        return self.o_proj(out)
 
 
 class LlamaAttention(PagedSelfAttention):
@@ -126,8 +135,15 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias=bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(
+        self, x: torch.Tensor | PendingNorm, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The MLP's output; with a `residual`, added into it where the down projection's
+        launch can (then None)."""
+        h = self.gate_up_proj.gated(x)
+        if residual is not None:
+            return self.down_proj.forward_into(h, residual)
+        return self.down_proj(h)
 
 
 def input_norm(
@@ -164,10 +180,21 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, x, residual, kv_cache, attn_metadata):
-        x, residual = input_norm(self.input_layernorm, x, residual)
-        x = self.self_attn(positions, x, kv_cache, attn_metadata)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        """(x, residual) -> (x, residual), x being what the residual stream still lacks:
+        None where the last projection added its output in its own launch (Llama's own
+        attention and MLP hand the norms to the projections after them and the
+        residual to the ones before the adds; DeepSeek's latent attention and the
+        mixture-of-experts blocks take normalized tensors)."""
+        h = PendingNorm.of(self.input_layernorm, x, residual)
+        residual = h.residual
+        if isinstance(self.self_attn, PagedSelfAttention):
+            x = self.self_attn(positions, h, kv_cache, attn_metadata, residual)
+        else:
+            x = self.self_attn(positions, h.resolve(), kv_cache, attn_metadata)
+        h = PendingNorm(self.post_attention_layernorm, x, residual)
+        if isinstance(self.mlp, LlamaMLP):
+            return self.mlp(h, residual), residual
+        return self.mlp(h.resolve()), residual
 
 
 class LlamaModel(nn.Module):
@@ -235,8 +262,13 @@ class LlamaModel(nn.Module):
             self.local_layers, kv_caches, attn_metadata, strict=True
         ):
             x, residual = layer(positions, x, residual, kv_cache, metadata)
+        assert residual is not None  # (set by the first layer)
         if not self.is_last:
+            if x is None:  # (the stream is whole: the next stage has nothing to add)
+                x, residual = residual, torch.zeros_like(residual)
             return {HIDDEN_STATES: x, RESIDUAL: residual}
+        if x is None:
+            return self.norm(residual)
         x, _ = self.norm(x, residual)
         return x
 
