@@ -8,7 +8,7 @@ for gate/up; o_proj and down: the GEMM alone, its add being in the next norm's l
 "plain" the skinny kernel alone with `fused_config`, "fused" the one launch with its
 neighbours; then the fused launch at other tiles.
 
-    PYTHONPATH=src:kernels python3 benchmarks/kernels/bench_fused_skinny.py [SHAPE ...]
+    PYTHONPATH=src:kernels python3 benchmarks/kernels/bench_fused_skinny.py [--m M] [SHAPE ...]
 """
 
 from __future__ import annotations
@@ -79,7 +79,12 @@ def time_case(part: str, m: int, weights: list[torch.Tensor], g: torch.Tensor) -
 
 
 def main() -> None:
-    only = sys.argv[1:]
+    args = sys.argv[1:]
+    ms = MS
+    if "--m" in args:  # (one M only)
+        i = args.index("--m")
+        ms, args = (int(args[i + 1]),), args[:i] + args[i + 2 :]
+    only = args
     dev = torch.device("cuda")
     torch.manual_seed(0)
     rows = []
@@ -91,7 +96,7 @@ def main() -> None:
             torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5 for _ in range(copies)
         ]
         g = 1 + torch.randn(k, device=dev) / 8
-        for m in MS:
+        for m in ms:
             times = time_case(name.split(".")[1], m, weights, g)
             floor = n * k * 2 / COPY_BW * 1e6
             print(
