@@ -93,9 +93,9 @@ for s in "$@"; do
     # one ending in -kvw0 with the KV cache written by its own launch (not the rotary's),
     export ASYNCLLM_FUSED_KV_WRITE=1
     case $t in *-kvw0) export ASYNCLLM_FUSED_KV_WRITE=0; t=${t%-kvw0} ;; esac
-    # one ending in -fg0 with the small-batch GEMMs' neighbours in launches of their own,
-    export ASYNCLLM_FUSED_GEMM=1
-    case $t in *-fg0) export ASYNCLLM_FUSED_GEMM=0; t=${t%-fg0} ;; esac
+    # one ending in -fg1 with the small-batch GEMMs' neighbours in their launches,
+    export ASYNCLLM_FUSED_GEMM=0
+    case $t in *-fg1) export ASYNCLLM_FUSED_GEMM=1; t=${t%-fg1} ;; esac
     # one ending in -pdl with the Triton kernels under programmatic dependent launch,
     export ASYNCLLM_PDL=0
     case $t in *-pdl) export ASYNCLLM_PDL=1; t=${t%-pdl} ;; esac

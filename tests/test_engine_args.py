@@ -164,15 +164,15 @@ def test_the_fused_kv_write_can_be_turned_off_for_measuring(monkeypatch):
         TritonAttentionBackend()
 
 
-def test_the_fused_gemm_neighbours_can_be_turned_off_for_measuring(monkeypatch):
-    """ASYNCLLM_FUSED_GEMM=0: linear layers built then keep their neighbours' launches
-    apart; junk is refused, naming the variable."""
+def test_the_fused_gemm_neighbours_are_asked_for_by_their_variable(monkeypatch):
+    """ASYNCLLM_FUSED_GEMM=1: linear layers built then take in their neighbours' launches
+    (off by default); junk is refused, naming the variable."""
     from asyncllm.model.layers.linear import RowParallelLinear
 
     monkeypatch.delenv("ASYNCLLM_FUSED_GEMM", raising=False)
-    assert RowParallelLinear(8, 4).fuse_neighbours is True
-    monkeypatch.setenv("ASYNCLLM_FUSED_GEMM", "0")
     assert RowParallelLinear(8, 4).fuse_neighbours is False
+    monkeypatch.setenv("ASYNCLLM_FUSED_GEMM", "1")
+    assert RowParallelLinear(8, 4).fuse_neighbours is True
     monkeypatch.setenv("ASYNCLLM_FUSED_GEMM", "yes")
     with pytest.raises(ValueError, match="ASYNCLLM_FUSED_GEMM"):
         RowParallelLinear(8, 4)

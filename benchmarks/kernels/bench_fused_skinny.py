@@ -5,8 +5,10 @@ enough weight copies that each call reads its weight from device memory.
 Per dense shape and M: "apart" is what a decoder layer ran before the fusion (the fused
 residual-add RMSNorm kernel, then the GEMM as `LinearBase` picks it, then silu_and_mul
 for gate/up; o_proj and down: the GEMM alone, its add being in the next norm's launch),
-"plain" the skinny kernel alone with `fused_config`, "fused" the one launch with its
-neighbours; then the fused launch at other tiles.
+"plain" the skinny kernel alone with `fused_config` (gate/up: with its gate), "fused"
+the one launch with its neighbours, "fold-loop" and "fold-prepass" the norm's rows
+scaling alone (its weight folded into w; the squares summed in the GEMM's loop or in a
+pass before it); then the fused launch at other tiles.
 
     PYTHONPATH=src:kernels python3 benchmarks/kernels/bench_fused_skinny.py [--m M] [SHAPE ...]
 """
@@ -69,6 +71,11 @@ def time_case(part: str, m: int, weights: list[torch.Tensor], g: torch.Tensor) -
         f"plain {tag(cfg)}": timed(lambda w: skinny_gemm(x, w, cfg, gated=gated)),
         f"fused {tag(cfg)}": timed(lambda w: fused(w, cfg)),
     }
+    if norm:  # the norm's weight folded into w: x enters the dot as loaded
+        for rows in ("loop", "prepass"):
+            times[f"fold-{rows}"] = timed(
+                lambda w, r=rows: skinny_gemm(res, w, cfg, norm_rows=r, gated=gated)
+            )
     for other in OTHER_TILES:
         try:
             fused(weights[0], other)

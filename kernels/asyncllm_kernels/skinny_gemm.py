@@ -80,13 +80,20 @@ def _skinny_gemm_kernel(
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     squares = tl.zeros([16], dtype=tl.float32)
+    if NORM == 3:  # the squares in a pass of their own (x is small, and in L2)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = (k0 + offs_k) < K
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            x32 = x.to(tl.float32)
+            squares += tl.sum(x32 * x32, axis=1)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + offs_k) < K
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if NORM:
+        if NORM == 1 or NORM == 2:
             x32 = x.to(tl.float32)
             squares += tl.sum(x32 * x32, axis=1)
+        if NORM == 1:
             g = tl.load(norm_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             x = (x32 * g[None, :]).to(w.dtype)
         acc = tl.dot(x, tl.trans(w), acc)
@@ -96,7 +103,7 @@ def _skinny_gemm_kernel(
             up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if NORM:
+    if NORM != 0:
         rstd = tl.rsqrt(squares / K + eps)
         acc = acc * rstd[:, None]
         up = up * rstd[:, None]
@@ -115,14 +122,18 @@ def skinny_gemm(
     config: SkinnyConfig,
     *,
     norm_weight: torch.Tensor | None = None,
+    norm_rows: str | None = None,
     eps: float = 1e-6,
     gated: bool = False,
     add_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [M, K] with M <= 16, w: [N, K] (each with a unit stride along K) -> [M, N]:
     x @ w.T, of rms_norm(x, norm_weight, eps) where a norm weight ([K]) is given; with
-    `gated`, silu(x @ gate.T) * (x @ up.T), [M, N / 2]; with `add_to`, added into it in
-    place (and it is returned)."""
+    `norm_rows` ("loop" or "prepass"), of x's rows scaled by rsqrt(mean(x²) + eps) only
+    (a norm whose weight is folded into w), their squares summed in the GEMM's loop or in
+    a pass of their own before it (x then enters the dot as loaded); with `gated`,
+    silu(x @ gate.T) * (x @ up.T), [M, N / 2]; with `add_to`, added into it in place
+    (and it is returned)."""
     M, K = x.shape
     rows, Kw = w.shape
     if Kw != K:
@@ -135,6 +146,11 @@ def skinny_gemm(
         raise ValueError(f"a gated w holds gate and up rows alike: {rows} rows is odd")
     if norm_weight is not None and tuple(norm_weight.shape) != (K,):
         raise ValueError(f"norm_weight has shape {tuple(norm_weight.shape)}, expected ({K},)")
+    if norm_rows not in (None, "loop", "prepass") or (norm_rows and norm_weight is not None):
+        raise ValueError(
+            f"norm_rows is None, 'loop' or 'prepass' without a norm_weight, got {norm_rows!r}"
+        )
+    norm = 1 if norm_weight is not None else {None: 0, "loop": 2, "prepass": 3}[norm_rows]
     N = rows // 2 if gated else rows
     if add_to is None:
         out = torch.empty(M, N, device=x.device, dtype=x.dtype)
@@ -158,7 +174,7 @@ def skinny_gemm(
         eps,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        NORM=norm_weight is not None,
+        NORM=norm,
         GATED=gated,
         ADD=add_to is not None,
         num_warps=config.num_warps,

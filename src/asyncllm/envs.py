@@ -33,10 +33,11 @@ so a test or a host that sets a variable before starting an engine is heard.
 - `ASYNCLLM_FUSED_KV_WRITE`: `0` has the attention backend's own launch write each
   step's K/V into the paged cache, after the rotary launch, instead of that launch
   (for measuring the fusion; default `1`).
-- `ASYNCLLM_FUSED_GEMM`: `0` runs the RMSNorm before a small decode batch's linear
+- `ASYNCLLM_FUSED_GEMM`: `1` runs the RMSNorm before a small decode batch's linear
   layer, silu(gate) * up after its gate/up projection and the residual add after its
-  output projections in launches of their own, instead of in the layer's GEMM launch
-  (for measuring the fusion; default `1`).
+  output projections in the layer's GEMM launch instead of launches of their own
+  (default `0`: on an H100 it made batch-1 decode 2.8x slower on the Llama-3.1-8B shape;
+  docs/benchmarks.md).
 - `ASYNCLLM_PDL`: `1` launches a decoder layer's Triton kernels on sm_90 and later GPUs with
   programmatic dependent launch, so that in a CUDA graph each one's programs are placed
   while the previous kernel's last ones run (asyncllm_kernels/pdl.py; default `0`).
@@ -105,8 +106,8 @@ def fused_kv_write() -> bool:
 
 def fused_gemm() -> bool:
     """Whether a small decode batch's linear layers take in the norm before them, the
-    gate or the residual add after them ($ASYNCLLM_FUSED_GEMM, default 1)."""
-    return _switch("ASYNCLLM_FUSED_GEMM", "1")
+    gate or the residual add after them ($ASYNCLLM_FUSED_GEMM, default 0)."""
+    return _switch("ASYNCLLM_FUSED_GEMM", "0")
 
 
 def pdl_launch() -> bool:

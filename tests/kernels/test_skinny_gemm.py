@@ -98,6 +98,21 @@ def test_fused_neighbours_equal_their_float32_references(dtype, m, norm, gated, 
     assert err < 1e-2, err
 
 
+@pytest.mark.parametrize("rows", ["loop", "prepass"])
+@pytest.mark.parametrize("m", [1, MAX_M])
+def test_rows_scaled_by_their_rms_with_the_weight_folded_into_w(m, rows):
+    """norm_rows: rms_norm(x, g) @ w.T == rsqrt(mean(x²) + eps) * (x @ (w * g).T)."""
+    n, k, eps = 40, 72, 1e-5
+    x = _rand(m, k, dtype=torch.float16, seed=m) * 3
+    w = _rand(2 * n, k, dtype=torch.float16, seed=7) / 4
+    g = 1 + _rand(k, dtype=torch.float32, seed=9) / 4
+    want = silu_and_mul_ref(rms_norm_ref(x.float(), g, eps) @ w.float().T)
+    folded = (w.float() * g).to(torch.float16)
+    got = skinny_gemm(x, folded, SkinnyConfig(16, 32, 4, 2), norm_rows=rows, eps=eps, gated=True)
+    err = (got.float() - want).abs().max() / want.abs().max()
+    assert err < 1e-2, err
+
+
 def test_fused_arguments_are_checked_by_name():
     cfg = SkinnyConfig(16, 32, 4, 2)
     x = torch.zeros(2, 32, dtype=torch.float16, device=DEVICE)
@@ -106,6 +121,8 @@ def test_fused_arguments_are_checked_by_name():
     w = torch.zeros(16, 32, dtype=torch.float16, device=DEVICE)
     with pytest.raises(ValueError, match="norm_weight"):
         skinny_gemm(x, w, cfg, norm_weight=torch.ones(16, device=DEVICE))
+    with pytest.raises(ValueError, match="norm_rows"):
+        skinny_gemm(x, w, cfg, norm_rows="both")
     with pytest.raises(ValueError, match="add_to"):
         skinny_gemm(x, w, cfg, add_to=torch.zeros(2, 8, dtype=torch.float16, device=DEVICE))
 

@@ -79,7 +79,7 @@ def test_fused_small_batch_gemms_equal_the_launches_apart(tmp_path, monkeypatch)
     """bfloat16, the Qwen3 shape: decodes of 4 rows through the skinny GEMM with its
     neighbours fused (the norms into qkv and gate/up, the gate, the adds into o_proj and
     down) against the same model with every launch apart (the switch that
-    ASYNCLLM_FUSED_GEMM=0 sets); each kind of fused launch is taken."""
+    ASYNCLLM_FUSED_GEMM sets); each kind of fused launch is taken."""
     import asyncllm_kernels.skinny_gemm as skinny
     from asyncllm.model.attention.triton_attn import TritonAttentionBackend
     from asyncllm.model.layers.linear import LinearBase
@@ -96,12 +96,14 @@ def test_fused_small_batch_gemms_equal_the_launches_apart(tmp_path, monkeypatch)
     monkeypatch.setattr(skinny, "skinny_gemm", counted)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 151936, (n,), generator=gen).tolist() for n in (700, 45, 1, 300)]
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     with torch.no_grad():
-        got = run_steps_with_backend(model, TritonAttentionBackend(), prompts, 8)
-        for module in model.modules():
-            if isinstance(module, LinearBase):
-                module.fuse_neighbours = False
         want = run_steps_with_backend(model, TritonAttentionBackend(), prompts, 8)
+        assert kinds <= {(False, False, False)}  # (off by default: plain skinny calls only)
+        kinds.clear()
+        for module in linears:
+            module.fuse_neighbours = True
+        got = run_steps_with_backend(model, TritonAttentionBackend(), prompts, 8)
     assert {(True, False, False), (True, True, False), (False, False, True)} <= kinds
     rel = ((got - want).norm() / want.norm()).item()
     assert rel <= 2e-2, f"relative logits difference {rel:.2e}"

@@ -14,7 +14,8 @@ neighbours' launches through the skinny GEMM kernel (asyncllm_kernels/skinny_gem
 the RMSNorm before it (an input given as a `PendingNorm`), silu(gate) * up after the
 merged gate/up projection (`gated`), and the residual add after a row-parallel layer at
 tensor-parallel size 1 (`forward_into`). Elsewhere each runs in its own launch, with the
-same result up to rounding. `ASYNCLLM_FUSED_GEMM=0` turns the fusions off.
+same result up to rounding. Off unless `ASYNCLLM_FUSED_GEMM=1`: measured slower so far
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
