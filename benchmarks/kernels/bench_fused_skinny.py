@@ -6,9 +6,9 @@ Per dense shape and M: "apart" is what a decoder layer ran before the fusion (th
 residual-add RMSNorm kernel, then the GEMM as `LinearBase` picks it, then silu_and_mul
 for gate/up; o_proj and down: the GEMM alone, its add being in the next norm's launch),
 "plain" the skinny kernel alone with `fused_config` (gate/up: with its gate), "fused"
-the one launch with its neighbours, "fold-loop" and "fold-prepass" the norm's rows
-scaling alone (its weight folded into w; the squares summed in the GEMM's loop or in a
-pass before it); then the fused launch at other tiles.
+the one launch with its neighbours as the layers run it (the norm's weight folded into
+w, the rows' squares summed in the GEMM's loop), then with the squares summed in a pass
+before it, then at other tiles.
 
     PYTHONPATH=src:kernels python3 benchmarks/kernels/bench_fused_skinny.py [--m M] [SHAPE ...]
 """
@@ -52,12 +52,12 @@ def time_case(part: str, m: int, weights: list[torch.Tensor], g: torch.Tensor) -
         y = skinny_gemm(h, w, cfg) if cfg is not None else F.linear(h, w)
         return silu_and_mul(y) if gated else y
 
-    def fused(w, cfg):
+    def fused(w, cfg, rows="loop"):  # (w stands for the weight with the norm's folded in)
         return skinny_gemm(
             res if norm else x,
             w,
             cfg,
-            norm_weight=g if norm else None,
+            norm_rows=rows if norm else None,
             gated=gated,
             add_to=res if add else None,
         )
@@ -71,11 +71,8 @@ def time_case(part: str, m: int, weights: list[torch.Tensor], g: torch.Tensor) -
         f"plain {tag(cfg)}": timed(lambda w: skinny_gemm(x, w, cfg, gated=gated)),
         f"fused {tag(cfg)}": timed(lambda w: fused(w, cfg)),
     }
-    if norm:  # the norm's weight folded into w: x enters the dot as loaded
-        for rows in ("loop", "prepass"):
-            times[f"fold-{rows}"] = timed(
-                lambda w, r=rows: skinny_gemm(res, w, cfg, norm_rows=r, gated=gated)
-            )
+    if norm:
+        times["fused, squares in a prepass"] = timed(lambda w: fused(w, cfg, "prepass"))
     for other in OTHER_TILES:
         try:
             fused(weights[0], other)

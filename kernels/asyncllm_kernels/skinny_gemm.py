@@ -11,10 +11,11 @@ The accumulation is float32; the output takes x's dtype.
 
 At these sizes each launch of a few microseconds is a visible share of a decoder layer,
 so the kernel can take in the launches beside it (each a constexpr switch):
-- `norm_weight`: RMSNorm of x first (x * weight * rsqrt(mean(x²) + eps)). Each program
-  sums the squares of the x tiles it loads anyway and scales its float32 sums by the
-  row's rsqrt at the end; x * weight is rounded to x's dtype before the dot (bfloat16
-  only: in float16 the unnormalized product can overflow).
+- `norm_rows`: RMSNorm of x first, whose weight the caller has folded into w's
+  columns (rms_norm(x, g) @ w.T = rsqrt(mean(x²) + eps) * (x @ (w * g).T)), so that x
+  enters the dot as loaded. Each program sums the squares of x's rows ("loop": of the
+  tiles the GEMM loads anyway; "prepass": in a pass of their own before it, x being
+  small and in L2) and scales its float32 sums by the rows' rsqrt at the end.
 - `gated`: w holds the gate rows then the up rows ([2N, K]); the output is
   silu(x @ gate.T) * (x @ up.T), [M, N], computed in float32 (the MLP's gate/up).
 - `add_to`: the result is added into that [M, N] tensor in place, in float32 with one
@@ -52,7 +53,6 @@ def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
-    norm_ptr,
     M,
     N,
     K,
@@ -80,7 +80,7 @@ def _skinny_gemm_kernel(
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     squares = tl.zeros([16], dtype=tl.float32)
-    if NORM == 3:  # the squares in a pass of their own (x is small, and in L2)
+    if NORM == 2:  # the squares in a pass of their own (x is small, and in L2)
         for k0 in range(0, K, BLOCK_K):
             k_mask = (k0 + offs_k) < K
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -90,12 +90,9 @@ def _skinny_gemm_kernel(
         k_mask = (k0 + offs_k) < K
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if NORM == 1 or NORM == 2:
+        if NORM == 1:
             x32 = x.to(tl.float32)
             squares += tl.sum(x32 * x32, axis=1)
-        if NORM == 1:
-            g = tl.load(norm_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            x = (x32 * g[None, :]).to(w.dtype)
         acc = tl.dot(x, tl.trans(w), acc)
         if GATED:
             u = tl.load(up_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
@@ -121,17 +118,14 @@ def skinny_gemm(
     w: torch.Tensor,
     config: SkinnyConfig,
     *,
-    norm_weight: torch.Tensor | None = None,
     norm_rows: str | None = None,
     eps: float = 1e-6,
     gated: bool = False,
     add_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [M, K] with M <= 16, w: [N, K] (each with a unit stride along K) -> [M, N]:
-    x @ w.T, of rms_norm(x, norm_weight, eps) where a norm weight ([K]) is given; with
-    `norm_rows` ("loop" or "prepass"), of x's rows scaled by rsqrt(mean(x²) + eps) only
-    (a norm whose weight is folded into w), their squares summed in the GEMM's loop or in
-    a pass of their own before it (x then enters the dot as loaded); with `gated`,
+    x @ w.T; with `norm_rows` ("loop" or "prepass"), of x's rows scaled by
+    rsqrt(mean(x²) + eps) (a norm whose weight is folded into w); with `gated`,
     silu(x @ gate.T) * (x @ up.T), [M, N / 2]; with `add_to`, added into it in place
     (and it is returned)."""
     M, K = x.shape
@@ -144,13 +138,9 @@ def skinny_gemm(
         raise ValueError("x and w need a unit stride along K")
     if gated and rows % 2:
         raise ValueError(f"a gated w holds gate and up rows alike: {rows} rows is odd")
-    if norm_weight is not None and tuple(norm_weight.shape) != (K,):
-        raise ValueError(f"norm_weight has shape {tuple(norm_weight.shape)}, expected ({K},)")
-    if norm_rows not in (None, "loop", "prepass") or (norm_rows and norm_weight is not None):
-        raise ValueError(
-            f"norm_rows is None, 'loop' or 'prepass' without a norm_weight, got {norm_rows!r}"
-        )
-    norm = 1 if norm_weight is not None else {None: 0, "loop": 2, "prepass": 3}[norm_rows]
+    norm = {None: 0, "loop": 1, "prepass": 2}.get(norm_rows)
+    if norm is None:
+        raise ValueError(f"norm_rows is None, 'loop' or 'prepass', got {norm_rows!r}")
     N = rows // 2 if gated else rows
     if add_to is None:
         out = torch.empty(M, N, device=x.device, dtype=x.dtype)
@@ -164,7 +154,6 @@ def skinny_gemm(
         x,
         w,
         out,
-        norm_weight if norm_weight is not None else x,
         M,
         N,
         K,

@@ -35,8 +35,9 @@ so a test or a host that sets a variable before starting an engine is heard.
   (for measuring the fusion; default `1`).
 - `ASYNCLLM_FUSED_GEMM`: `1` runs the RMSNorm before a small decode batch's linear
   layer, silu(gate) * up after its gate/up projection and the residual add after its
-  output projections in the layer's GEMM launch instead of launches of their own
-  (default `0`: on an H100 it made batch-1 decode 2.8x slower on the Llama-3.1-8B shape;
+  output projections in the layer's GEMM launch instead of launches of their own; the
+  norms' weights are folded into the projections after them at load time (default `0`:
+  a first form made batch-1 decode 2.8x slower on an H100 on the Llama-3.1-8B shape;
   docs/benchmarks.md).
 - `ASYNCLLM_PDL`: `1` launches a decoder layer's Triton kernels on sm_90 and later GPUs with
   programmatic dependent launch, so that in a CUDA graph each one's programs are placed

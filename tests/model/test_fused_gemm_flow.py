@@ -3,10 +3,11 @@ taking in the RMSNorm before it, the gate or the residual add after it) on the C
 
 The skinny GEMM kernel runs only on CUDA (its GPU tests: tests/kernels/
 test_skinny_gemm.py, tests/model/test_gpu_triton.py), so here each fused call is done by
-the plain-torch references, in float32: what is checked is the flow around it (which
-projection takes which neighbour, the residual stream handed over as None, the final
-norm, the mixture-of-experts and latent-attention layers beside it), against the same
-model with every launch apart."""
+the plain-torch references, in float32: what is checked is the flow around it (the
+norms' weights folded into the projections after them, which projection takes which
+neighbour, the residual stream handed over as None, the final norm, the
+mixture-of-experts and latent-attention layers beside it, prefill chunks through the
+folded weights apart), against the same model as loaded with every launch apart."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from asyncllm.engine.core_config import create_model_config
 from asyncllm.model.attention.mla import MLABackend
 from asyncllm.model.attention.torch_native import TorchNativeBackend
 from asyncllm.model.layers.linear import LinearBase
-from asyncllm.model.layers.norm import PendingNorm, RMSNorm
+from asyncllm.model.layers.norm import PendingNorm
 from asyncllm.model.loader import load_model
 from asyncllm_kernels.reference import rms_norm_ref, silu_and_mul_ref
 from tests.model.helpers import run_steps_with_backend
@@ -34,8 +35,9 @@ def _emulated(calls: list[tuple[bool, bool, bool]]):
         if t.shape[0] > 16 or self.bias is not None:
             return None
         if pending is not None:
-            if type(pending.norm) is not RMSNorm:
+            if not pending.norm.folded:
                 return None
+            assert torch.equal(pending.norm.weight, torch.ones_like(pending.norm.weight))
             t = rms_norm_ref(pending.stream(), pending.norm.weight, pending.norm.eps)
         calls.append((pending is not None, gated, add_to is not None))
         y = self._matmul(t, None)
@@ -59,6 +61,7 @@ def _emulated(calls: list[tuple[bool, bool, bool]]):
     ],
 )
 def test_the_fused_flow_equals_every_launch_apart(tmp_path, monkeypatch, arch, kinds):
+    monkeypatch.setenv("ASYNCLLM_CPU_PACKING", "0")  # (the weights to fold stay in place)
     make_tiny_model(arch, tmp_path)
     args = EngineArgs(model=str(tmp_path), device="cpu", dtype="float32")
     backend = MLABackend() if arch.startswith("deepseek") else TorchNativeBackend()
@@ -67,6 +70,8 @@ def test_the_fused_flow_equals_every_launch_apart(tmp_path, monkeypatch, arch, k
     prompts = [torch.randint(0, 384, (n,), generator=gen).tolist() for n in (40, 7, 1, 25)]
     with torch.no_grad():
         want = run_steps_with_backend(model, backend, prompts, 4)
+        for layer in model.model.layers:
+            layer.fold_norms()
         calls: list[tuple[bool, bool, bool]] = []
         monkeypatch.setattr(LinearBase, "_small_batch", _emulated(calls))
         got = run_steps_with_backend(model, backend, prompts, 4)

@@ -77,9 +77,9 @@ def test_qwen3_shaped_model(tmp_path, dtype, tol):
 
 def test_fused_small_batch_gemms_equal_the_launches_apart(tmp_path, monkeypatch):
     """bfloat16, the Qwen3 shape: decodes of 4 rows through the skinny GEMM with its
-    neighbours fused (the norms into qkv and gate/up, the gate, the adds into o_proj and
-    down) against the same model with every launch apart (the switch that
-    ASYNCLLM_FUSED_GEMM sets); each kind of fused launch is taken."""
+    neighbours fused (the norms, folded into qkv and gate/up, the gate, the adds into
+    o_proj and down) against the same model as loaded with every launch apart (what
+    ASYNCLLM_FUSED_GEMM=1 changes); each kind of fused launch is taken."""
     import asyncllm_kernels.skinny_gemm as skinny
     from asyncllm.model.attention.triton_attn import TritonAttentionBackend
     from asyncllm.model.layers.linear import LinearBase
@@ -101,6 +101,8 @@ def test_fused_small_batch_gemms_equal_the_launches_apart(tmp_path, monkeypatch)
         want = run_steps_with_backend(model, TritonAttentionBackend(), prompts, 8)
         assert kinds <= {(False, False, False)}  # (off by default: plain skinny calls only)
         kinds.clear()
+        for layer in model.model.layers:
+            layer.fold_norms()
         for module in linears:
             module.fuse_neighbours = True
         got = run_steps_with_backend(model, TritonAttentionBackend(), prompts, 8)

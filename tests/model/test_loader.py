@@ -250,3 +250,16 @@ def test_the_normalised_config_is_kept_and_read_back_without_transformers(tmp_pa
     (folder / "config.json").write_text(json.dumps({**config, "hidden_size": 96}))
     with pytest.raises(ImportError):
         read_hf_config(folder)
+
+
+def test_norms_are_folded_only_for_the_fused_gemms_on_cuda(monkeypatch):
+    """The norms' weights go into the linear layers after them only where the fused
+    small-batch GEMMs can run: ASYNCLLM_FUSED_GEMM=1, 16-bit, CUDA."""
+    from asyncllm.model.loader import use_folded_norms
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setenv("ASYNCLLM_FUSED_GEMM", "1")
+    assert use_folded_norms(cuda, torch.bfloat16) and use_folded_norms(cuda, torch.float16)
+    assert not use_folded_norms(cuda, torch.float32) and not use_folded_norms(cpu, torch.bfloat16)
+    monkeypatch.setenv("ASYNCLLM_FUSED_GEMM", "0")
+    assert not use_folded_norms(cuda, torch.bfloat16)

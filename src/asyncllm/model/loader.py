@@ -127,12 +127,23 @@ class DefaultModelLoader:
                     f"checkpoint in {str(model_config.path)!r} lacks weights: {', '.join(sorted(missing)[:8])}"
                     + (" …" if len(missing) > 8 else "")
                 )
+        if use_folded_norms(device, dtype):
+            for module in model.modules():
+                fold = getattr(module, "fold_norms", None)
+                if fold is not None:
+                    fold()
         if use_cpu_packing(device, dtype):
             for module in model.modules():
                 pack = getattr(module, "pack_for_cpu", None)
                 if pack is not None:
                     pack()
         return model.eval()
+
+
+def use_folded_norms(device: torch.device, dtype: torch.dtype) -> bool:
+    """The norms' weights folded into the linear layers after them, for the fused
+    small-batch GEMMs (ASYNCLLM_FUSED_GEMM=1; 16-bit on CUDA)."""
+    return envs.fused_gemm() and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
 
 
 def use_cpu_packing(device: torch.device, dtype: torch.dtype) -> bool:

@@ -11,7 +11,8 @@ A size the group cannot shard is refused at construction with a ValueError namin
 
 At decode batches of at most 16 rows on CUDA (16-bit, no bias) a layer can take in its
 neighbours' launches through the skinny GEMM kernel (asyncllm_kernels/skinny_gemm.py):
-the RMSNorm before it (an input given as a `PendingNorm`), silu(gate) * up after the
+the RMSNorm before it (an input given as a `PendingNorm` of a norm folded into this
+layer's weight: `RMSNorm.fold_into`, done at load time), silu(gate) * up after the
 merged gate/up projection (`gated`), and the residual add after a row-parallel layer at
 tensor-parallel size 1 (`forward_into`). Elsewhere each runs in its own launch, with the
 same result up to rounding. Off unless `ASYNCLLM_FUSED_GEMM=1`: measured slower so far
@@ -29,7 +30,7 @@ from torch import nn
 from asyncllm import envs
 from asyncllm.distributed.parallel_state import get_tp_group
 from asyncllm.model.layers.activation import silu_and_mul
-from asyncllm.model.layers.norm import PendingNorm, RMSNorm
+from asyncllm.model.layers.norm import PendingNorm
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -153,8 +154,7 @@ class LinearBase(nn.Module):
             and self.bias is None
         ):
             return None
-        # (the norm only in bfloat16: x * weight before the scaling could overflow float16)
-        if pending is not None and (type(pending.norm) is not RMSNorm or t.dtype != torch.bfloat16):
+        if pending is not None and not pending.norm.folded:
             return None
         from asyncllm_kernels.skinny_gemm import fused_config, skinny_gemm
 
@@ -166,7 +166,7 @@ class LinearBase(nn.Module):
             pending.stream(),
             self.weight,
             config,
-            norm_weight=pending.norm.weight,
+            norm_rows="loop",
             eps=pending.norm.eps,
             gated=gated,
             add_to=add_to,

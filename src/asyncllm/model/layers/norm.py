@@ -5,8 +5,9 @@ kernel's plain-torch reference does the same. Either way the residual is updated
 place to x + residual.
 
 A decoder layer hands its norms to the linear layers after them as a `PendingNorm`:
-at small batches on CUDA the linear layer's own launch normalizes its input
-(layers/linear.py), and otherwise `resolve()` runs the norm as above.
+where the norm's weight is folded into the linear layer's (`fold_into`), a small
+batch's GEMM launch on CUDA normalizes its own input (layers/linear.py); otherwise
+`resolve()` runs the norm as above.
 """
 
 from __future__ import annotations
@@ -24,6 +25,20 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.folded = False
+
+    @torch.no_grad()
+    def fold_into(self, linear: nn.Module) -> None:
+        """Moves this norm's weight g into the input columns of the linear layer it feeds
+        (w * g, rounded once), leaving itself a weight of ones: norm(x) @ w.T is
+        unchanged, and a small batch's GEMM can then scale x's rows on its own, x
+        entering the dot as loaded (layers/linear.py)."""
+        g, weight = self.weight.float(), linear.weight
+        assert isinstance(weight, torch.Tensor)
+        for rows in weight.split(4096):  # (float32 a slice at a time)
+            rows.copy_((rows.float() * g).to(rows.dtype))
+        self.weight.fill_(1.0)
+        self.folded = True
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

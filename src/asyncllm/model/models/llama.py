@@ -196,6 +196,14 @@ class LlamaDecoderLayer(nn.Module):
             return self.mlp(h, residual), residual
         return self.mlp(h.resolve()), residual
 
+    def fold_norms(self) -> None:
+        """Each norm's weight into the projection after it, where that one takes a
+        PendingNorm (qkv; a Llama MLP's gate/up): for the fused small-batch GEMMs."""
+        if isinstance(self.self_attn, PagedSelfAttention):
+            self.input_layernorm.fold_into(self.self_attn.qkv_proj)
+        if isinstance(self.mlp, LlamaMLP):
+            self.post_attention_layernorm.fold_into(self.mlp.gate_up_proj)
+
 
 class LlamaModel(nn.Module):
     """The decoder stack of one pipeline stage: `make_layer(i)` builds decoder layer i
