@@ -19,7 +19,7 @@ from asyncllm.engine.core_config import create_model_config
 from asyncllm.model.attention.mla import MLABackend
 from asyncllm.model.attention.torch_native import TorchNativeBackend
 from asyncllm.model.layers.linear import LinearBase
-from asyncllm.model.layers.norm import PendingNorm
+from asyncllm.model.layers.norm import PendingNorm, RMSNorm
 from asyncllm.model.loader import load_model
 from asyncllm_kernels.reference import rms_norm_ref, silu_and_mul_ref
 from tests.model.helpers import run_steps_with_backend
@@ -77,3 +77,16 @@ def test_the_fused_flow_equals_every_launch_apart(tmp_path, monkeypatch, arch, k
         got = run_steps_with_backend(model, backend, prompts, 4)
     assert set(calls) == kinds
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
+
+
+def test_a_pending_norm_adds_its_x_into_the_residual_once():
+    """Whichever way it is used, and however often, the residual gains x once."""
+    norm = RMSNorm(8)
+    for use in ("stream", "resolve"):
+        x, residual = torch.ones(2, 8), torch.full((2, 8), 2.0)
+        pending = PendingNorm.of(norm, x, residual)
+        getattr(pending, use)()
+        assert torch.equal(pending.stream(), torch.full((2, 8), 3.0)) and pending.x is None
+        assert torch.equal(residual, torch.full((2, 8), 3.0))
+    first = torch.full((1, 8), 5.0)  # (the first layer: its input is the stream)
+    assert PendingNorm.of(norm, first, None).stream() is first

@@ -144,19 +144,20 @@ class LinearBase(nn.Module):
         pending = x if isinstance(x, PendingNorm) else None
         t = pending.residual if pending is not None else x
         assert isinstance(t, torch.Tensor)
+        if not (self.fuse_neighbours and t.is_cuda and self.bias is None):
+            return None
+        from asyncllm_kernels.skinny_gemm import MAX_M, fused_config, fused_supported, skinny_gemm
+
         if not (
-            self.fuse_neighbours
-            and t.is_cuda
-            and t.dim() == 2
-            and 1 <= t.shape[0] <= 16
+            t.dim() == 2
+            and 1 <= t.shape[0] <= MAX_M
             and t.dtype in (torch.bfloat16, torch.float16)
             and t.stride(1) == 1
-            and self.bias is None
+            and (add_to is None or (add_to.dtype == t.dtype and add_to.stride(1) == 1))
+            and (pending is None or pending.norm.folded)
+            and fused_supported(t.device)
         ):
             return None
-        if pending is not None and not pending.norm.folded:
-            return None
-        from asyncllm_kernels.skinny_gemm import fused_config, skinny_gemm
 
         n, k = self.weight.shape
         config = fused_config(t.shape[0], n, k, t.dtype, gated)
@@ -252,6 +253,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             y = self._small_batch(x, gated=True)
             if y is not None:
                 return y
+        if isinstance(x, PendingNorm):
+            x = x.resolve()
         return silu_and_mul(self(x))
 
 

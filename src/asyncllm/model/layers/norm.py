@@ -61,21 +61,23 @@ class RMSNorm(nn.Module):
         return rms_norm_ref(x, self.weight, self.eps, residual), residual
 
 
-@dataclass(frozen=True)
+@dataclass
 class PendingNorm:
     """`norm(x + residual)` (`norm(residual)` where x is None), left to the one linear
     layer that consumes it. Either way of computing it leaves x + residual in the
-    residual, in place, as RMSNorm does: the residual stream."""
+    residual, in place, as RMSNorm does: the residual stream (and x None, so that a
+    second use adds nothing twice)."""
 
     norm: RMSNorm
     x: torch.Tensor | None
     residual: torch.Tensor
 
     @staticmethod
-    def of(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> PendingNorm:
+    def of(norm: RMSNorm, x: torch.Tensor | None, residual: torch.Tensor | None) -> PendingNorm:
         """A decoder layer's input norm: the first layer's residual is its input (nothing
         to add); a later one's x is what the layer before left to add (None: nothing)."""
         if residual is None:
+            assert x is not None  # (the first layer's input)
             return PendingNorm(norm, None, x)
         return PendingNorm(norm, x, residual)
 
@@ -84,6 +86,7 @@ class PendingNorm:
         if self.x is None:
             return self.norm(self.residual)
         out, _ = self.norm(self.x, self.residual)
+        self.x = None
         return out
 
     def stream(self) -> torch.Tensor:
@@ -91,4 +94,5 @@ class PendingNorm:
         normalizes its own input reads."""
         if self.x is not None:
             self.residual.add_(self.x)
+            self.x = None
         return self.residual

@@ -36,8 +36,17 @@ from asyncllm.model.models.llama import (
     LlamaForCausalLM,
     LlamaModel,
     PagedSelfAttention,
-    input_norm,
 )
+
+
+def input_norm(
+    norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's input norm with the residual stream: the first layer's residual
+    is its input; later ones add the stream first (the norm fuses the add)."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
 
 
 class GemmaRMSNorm(nn.Module):

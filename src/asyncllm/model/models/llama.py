@@ -146,16 +146,6 @@ class LlamaMLP(nn.Module):
         return self.down_proj(h)
 
 
-def input_norm(
-    norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decoder layer's input norm with the residual stream: the first layer's residual
-    is its input; later ones add the stream first (the norm fuses the add)."""
-    if residual is None:
-        return norm(x), x
-    return norm(x, residual)
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -198,16 +188,18 @@ class LlamaDecoderLayer(nn.Module):
 
     def fold_norms(self) -> None:
         """Each norm's weight into the projection after it, where that one takes a
-        PendingNorm (qkv; a Llama MLP's gate/up): for the fused small-batch GEMMs."""
-        if isinstance(self.self_attn, PagedSelfAttention):
+        PendingNorm (qkv; a Llama MLP's gate/up) and has no bias (the fused kernel
+        has none): for the fused small-batch GEMMs."""
+        if isinstance(self.self_attn, PagedSelfAttention) and self.self_attn.qkv_proj.bias is None:
             self.input_layernorm.fold_into(self.self_attn.qkv_proj)
-        if isinstance(self.mlp, LlamaMLP):
+        if isinstance(self.mlp, LlamaMLP) and self.mlp.gate_up_proj.bias is None:
             self.post_attention_layernorm.fold_into(self.mlp.gate_up_proj)
 
 
 class LlamaModel(nn.Module):
     """The decoder stack of one pipeline stage: `make_layer(i)` builds decoder layer i
-    (a module taking and returning `(x, residual)`, with a `self_attn` that has
+    (a module taking and returning `(x, residual)`, x None where the residual holds the
+    whole stream, with a `self_attn` that has
     `num_kv_heads` and `head_dim`, and `latent_cache` True for latent attention), `norm_cls` the final norm (fusing the residual add);
     `embed_scale` multiplies the embeddings (Gemma's square root of the hidden size)."""
 
