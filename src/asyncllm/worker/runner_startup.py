@@ -22,6 +22,9 @@ from asyncllm.worker.step_sampler import PROMPT_LOGPROB_CHUNK
 class RunnerStartup:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        # What each throwaway graph of `profile_decode_graph` took (for the warning
+        # when the real graphs take more than estimated)
+        self.probe_bytes_by_key: dict[GraphKey, int] = {}
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -143,6 +146,7 @@ class RunnerStartup:
             raise RuntimeError("profile_run() allocates the graphs' logits: run it first")
         probe = DecodeGraphs(sorted({sizes[0], sizes[-1]}), verify[-1:], q)
         probe.capture(self._inert_graph_batch, self._graph_forward(r.kv_cache_tensors(1)))
+        self.probe_bytes_by_key = dict(probe.bytes_by_key)
         smallest = max(probe.bytes_by_key[(sizes[0], 1)], 0)
         others = len(sizes) + len(verify) - len(probe.keys)
         estimate = sum(max(b, 0) for b in probe.bytes_by_key.values()) + smallest * others

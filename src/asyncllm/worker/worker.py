@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from asyncllm import envs
 from asyncllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from asyncllm.step_io import ModelRunnerOutput, SchedulerOutput
+from asyncllm.worker.cuda_graph import GraphKey
 from asyncllm.worker.model_runner import ModelRunner
 from asyncllm.worker.runner_startup import RunnerStartup
 from asyncllm.worker.step_result import StepResult
@@ -71,6 +73,10 @@ def check_graph_memory(taken: int, estimate: int, free: int, activation_peak: in
             "capture fewer sizes (cudagraph_capture_sizes) or set enforce_eager=True"
         )
     return f"{said}: this engine holds that much beyond its gpu_memory_utilization share"
+
+
+def _mib_by_key(items: Iterable[tuple[GraphKey, int]]) -> str:
+    return ", ".join(f"{key}: {b / 2**20:.1f}" for key, b in items)
 
 
 class Worker:
@@ -177,9 +183,11 @@ class Worker:
             if warning is not None:
                 costliest = sorted(graphs.bytes_by_key.items(), key=lambda kv: -kv[1])[:5]
                 logger.warning(
-                    "%s (the costliest captures, (sequences, query length): MiB: %s)",
+                    "%s (the costliest captures, (sequences, query length): MiB: %s; the "
+                    "estimate's throwaway captures: %s)",
                     warning,
-                    ", ".join(f"{key}: {b / 2**20:.1f}" for key, b in costliest),
+                    _mib_by_key(costliest),
+                    _mib_by_key(self.startup.probe_bytes_by_key.items()),
                 )
         t0 = time.monotonic()
         if self.startup.warm_up_attention():
