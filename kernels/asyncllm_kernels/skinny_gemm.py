@@ -211,12 +211,19 @@ def fused_supported(device: torch.device) -> bool:
     return major >= 9 or (major, minor) == (8, 0)
 
 
-def fused_config(m: int, n: int, k: int, dtype: torch.dtype, gated: bool = False) -> SkinnyConfig:
+@functools.cache
+def device_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fused_config(
+    m: int, n: int, k: int, dtype: torch.dtype, gated: bool = False, sms: int = 132
+) -> SkinnyConfig:
     """The config for a product with a neighbour fused in (w: [n, k], n counting a gated
     w's gate and up rows): the tuned one where the shape has one, else 32-row blocks at
     M = 1 with long K tiles (16-row blocks where 32 would leave the last wave of programs
-    mostly empty on a 132-SM card, and for a gated w, whose programs load two blocks), and
-    shorter K tiles, deeper pipelined, above."""
+    mostly empty on a card of `sms` SMs, and for a gated w, whose programs load two
+    blocks), and shorter K tiles, deeper pipelined, above."""
     if dtype not in (torch.bfloat16, torch.float16) or not 1 <= m <= MAX_M:
         raise ValueError(f"no small-batch kernel for {m} rows of {dtype}")
     if not gated:
@@ -224,7 +231,7 @@ def fused_config(m: int, n: int, k: int, dtype: torch.dtype, gated: bool = False
         if tuned is not None:
             return tuned
     blocks32 = triton.cdiv(n // 2 if gated else n, 32)
-    block_n = 16 if gated or (blocks32 > 132 and blocks32 % 132 < 66) else 32
+    block_n = 16 if gated or (blocks32 > sms and blocks32 % sms < sms // 2) else 32
     if m == 1:
         return SkinnyConfig(block_n, 512, 4, 3)
     return SkinnyConfig(block_n, 128, 4, 6)

@@ -146,7 +146,13 @@ class LinearBase(nn.Module):
         assert isinstance(t, torch.Tensor)
         if not (self.fuse_neighbours and t.is_cuda and self.bias is None):
             return None
-        from asyncllm_kernels.skinny_gemm import MAX_M, fused_config, fused_supported, skinny_gemm
+        from asyncllm_kernels.skinny_gemm import (
+            MAX_M,
+            device_sms,
+            fused_config,
+            fused_supported,
+            skinny_gemm,
+        )
 
         if not (
             t.dim() == 2
@@ -160,7 +166,7 @@ class LinearBase(nn.Module):
             return None
 
         n, k = self.weight.shape
-        config = fused_config(t.shape[0], n, k, t.dtype, gated)
+        config = fused_config(t.shape[0], n, k, t.dtype, gated, device_sms(t.device))
         if pending is None:
             return skinny_gemm(t, self.weight, config, gated=gated, add_to=add_to)
         return skinny_gemm(
