@@ -23,8 +23,9 @@ so the kernel can take in the launches beside it (each a constexpr switch):
 
 `skinny_config(M, N, K)` says whether (and how) to use it for a plain product: the configs
 come from benchmarks/kernels/sweep_skinny_gemm.py on an H200, for the shapes where they
-beat cuBLAS; `None` means use cuBLAS. `fused_config` answers for a product with its
-neighbours fused, where one launch instead of two pays even at cuBLAS's speed.
+beat cuBLAS; `None` means use cuBLAS. `fused_config` gives the tiles for a product with
+its neighbours fused, on any shape (there the kernel replaces cuBLAS and the neighbours'
+launches together; untuned, and the first form measured slower: docs/benchmarks.md).
 """
 
 from __future__ import annotations
