@@ -6,9 +6,9 @@ Per dense shape and M: "apart" is what a decoder layer ran before the fusion (th
 residual-add RMSNorm kernel, then the GEMM as `LinearBase` picks it, then silu_and_mul
 for gate/up; o_proj and down: the GEMM alone, its add being in the next norm's launch),
 "plain" the skinny kernel alone with `fused_config` (gate/up: with its gate), "fused"
-the one launch with its neighbours as the layers run it (the norm's weight folded into
-w, the rows' squares summed in the GEMM's loop), then with the squares summed in a pass
-before it, then at other tiles.
+the one launch with its neighbours (the norm's weight folded into w), at `fused_config`'s
+tiles and others, the rows' squares summed in the GEMM's loop or in a pass before it;
+"(the layers')" marks the one the layers run.
 
     PYTHONPATH=src:kernels python3 benchmarks/kernels/bench_fused_skinny.py [--m M] [SHAPE ...]
 """
@@ -23,7 +23,13 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
 from asyncllm_kernels.elementwise import rms_norm, silu_and_mul
-from asyncllm_kernels.skinny_gemm import SkinnyConfig, fused_config, skinny_config, skinny_gemm
+from asyncllm_kernels.skinny_gemm import (
+    SkinnyConfig,
+    fused_config,
+    fused_norm_rows,
+    skinny_config,
+    skinny_gemm,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep_skinny_gemm import DENSE_SHAPES, L2_BYTES  # noqa: E402
@@ -31,7 +37,8 @@ from timing import COPY_BW, graph_time_calls_us, write_json  # noqa: E402
 
 MS = (1, 4, 16)
 OTHER_TILES = [
-    SkinnyConfig(bn, bk, 4, s) for bn, bk, s in ((32, 256, 4), (64, 128, 4), (16, 256, 4))
+    SkinnyConfig(bn, bk, 4, s)
+    for bn, bk, s in ((16, 512, 3), (32, 512, 3), (16, 256, 4), (32, 256, 4), (64, 128, 4))
 ]
 
 
@@ -52,12 +59,12 @@ def time_case(part: str, m: int, weights: list[torch.Tensor], g: torch.Tensor) -
         y = skinny_gemm(h, w, cfg) if cfg is not None else F.linear(h, w)
         return silu_and_mul(y) if gated else y
 
-    def fused(w, cfg, rows="loop"):  # (w stands for the weight with the norm's folded in)
+    def fused(w, cfg, rows):  # (w stands for the weight with the norm's folded in)
         return skinny_gemm(
             res if norm else x,
             w,
             cfg,
-            norm_rows=rows if norm else None,
+            norm_rows=rows or None,
             gated=gated,
             add_to=res if add else None,
         )
@@ -66,19 +73,21 @@ def time_case(part: str, m: int, weights: list[torch.Tensor], g: torch.Tensor) -
         return graph_time_calls_us([lambda w=w: fn(w) for w in weights])
 
     cfg = fused_config(m, n, k, torch.bfloat16, gated)
+    picked = (tag(cfg), fused_norm_rows(cfg) if norm else "")
     times = {
         "apart": timed(apart),
         f"plain {tag(cfg)}": timed(lambda w: skinny_gemm(x, w, cfg, gated=gated)),
-        f"fused {tag(cfg)}": timed(lambda w: fused(w, cfg)),
     }
-    if norm:
-        times["fused, squares in a prepass"] = timed(lambda w: fused(w, cfg, "prepass"))
-    for other in OTHER_TILES:
-        try:
-            fused(weights[0], other)
-        except OutOfResources:
-            continue
-        times[f"fused {tag(other)}"] = timed(lambda w, c=other: fused(w, c))
+    for tiles in [cfg, *(t for t in OTHER_TILES if t != cfg)]:
+        for rows in ("loop", "prepass") if norm else ("",):
+            try:
+                fused(weights[0], tiles, rows)
+            except OutOfResources:
+                continue
+            key = f"fused {tag(tiles)} {rows}".rstrip()
+            if (tag(tiles), rows) == picked:
+                key += " (the layers')"
+            times[key] = timed(lambda w, c=tiles, r=rows: fused(w, c, r))
     return times
 
 

@@ -236,3 +236,13 @@ def fused_config(
     if m == 1:
         return SkinnyConfig(block_n, 512, 4, 3)
     return SkinnyConfig(block_n, 128, 4, 6)
+
+
+def fused_norm_rows(config: SkinnyConfig) -> str:
+    """Where a fused norm sums its rows' squares at `config`'s tiles: in the GEMM's loop,
+    except with 512-long K tiles. There the loop holds a second copy of x's tile in
+    registers (a float32 one, for the squares, beside the dot's operand), and on sm_90
+    the kernel spills: 255 registers and 56 bytes of stack a thread plain, 440 gated, at
+    16 x 512 (tests/kernels/test_skinny_gemm_registers.py compiles each for sm_90). The
+    prepass reads x's rows once more from L2 instead."""
+    return "prepass" if config.block_k >= 512 else "loop"

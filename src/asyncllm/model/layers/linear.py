@@ -150,6 +150,7 @@ class LinearBase(nn.Module):
             MAX_M,
             device_sms,
             fused_config,
+            fused_norm_rows,
             fused_supported,
             skinny_gemm,
         )
@@ -173,7 +174,7 @@ class LinearBase(nn.Module):
             pending.stream(),
             self.weight,
             config,
-            norm_rows="loop",
+            norm_rows=fused_norm_rows(config),
             eps=pending.norm.eps,
             gated=gated,
             add_to=add_to,
