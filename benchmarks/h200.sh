@@ -165,6 +165,7 @@ for s in "$@"; do
     sweep-skinny-moe) stage "$s" python3 benchmarks/kernels/sweep_skinny_gemm.py moe ;;
     sweep-moe) stage "$s" python3 benchmarks/kernels/sweep_moe.py ;;
     bench-fused-skinny) stage "$s" python3 benchmarks/kernels/bench_fused_skinny.py ;;
+    bench-fused-skinny-m1) stage "$s" python3 benchmarks/kernels/bench_fused_skinny.py --m 1 ;;
     sweep-prefill) stage "$s" python3 benchmarks/kernels/sweep_prefill.py ;;
     timeline-0.6b) stage "$s" python3 benchmarks/throughput_timeline.py "${Q06[@]}" "${SYNC[@]}" ;;
     timeline-8b) stage "$s" python3 benchmarks/throughput_timeline.py "${L8[@]}" "${SYNC[@]}" ;;
