@@ -26,7 +26,6 @@ from asyncllm_kernels.elementwise import rms_norm, silu_and_mul
 from asyncllm_kernels.skinny_gemm import (
     SkinnyConfig,
     fused_config,
-    fused_norm_rows,
     skinny_config,
     skinny_gemm,
 )
@@ -72,11 +71,12 @@ def time_case(part: str, m: int, weights: list[torch.Tensor], g: torch.Tensor) -
     def timed(fn) -> float:
         return graph_time_calls_us([lambda w=w: fn(w) for w in weights])
 
-    cfg = fused_config(m, n, k, torch.bfloat16, gated)
-    picked = (tag(cfg), fused_norm_rows(cfg) if norm else "")
+    cfg = fused_config(m, n, k, torch.bfloat16, gated, norm=norm)
+    picked = (tag(cfg), "loop" if norm else "")
+    plain = fused_config(m, n, k, torch.bfloat16, gated)
     times = {
         "apart": timed(apart),
-        f"plain {tag(cfg)}": timed(lambda w: skinny_gemm(x, w, cfg, gated=gated)),
+        f"plain {tag(plain)}": timed(lambda w: skinny_gemm(x, w, plain, gated=gated)),
     }
     for tiles in [cfg, *(t for t in OTHER_TILES if t != cfg)]:
         for rows in ("loop", "prepass") if norm else ("",):

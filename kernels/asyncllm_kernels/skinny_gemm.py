@@ -207,7 +207,8 @@ def skinny_config(m: int, n: int, k: int, dtype: torch.dtype) -> SkinnyConfig | 
 @functools.cache
 def fused_supported(device: torch.device) -> bool:
     """Whether `fused_config`'s tiles fit the device's shared memory: sm_80 and sm_90 on
-    (144 KB at M = 1 for a gated w; sm_86 and sm_89 have about 100 KB)."""
+    (144 KB for the 32 x 512 tiles of o_proj and down at M = 1; sm_86 and sm_89 have
+    about 100 KB)."""
     major, minor = torch.cuda.get_device_capability(device)
     return major >= 9 or (major, minor) == (8, 0)
 
@@ -218,31 +219,37 @@ def device_sms(device: torch.device) -> int:
 
 
 def fused_config(
-    m: int, n: int, k: int, dtype: torch.dtype, gated: bool = False, sms: int = 132
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    gated: bool = False,
+    sms: int = 132,
+    norm: bool = False,
 ) -> SkinnyConfig:
     """The config for a product with a neighbour fused in (w: [n, k], n counting a gated
-    w's gate and up rows): the tuned one where the shape has one, else 32-row blocks at
-    M = 1 with long K tiles (16-row blocks where 32 would leave the last wave of programs
-    mostly empty on a card of `sms` SMs, and for a gated w, whose programs load two
-    blocks), and shorter K tiles, deeper pipelined, above."""
+    w's gate and up rows; `norm`: its rows' squares summed in the loop): the tuned one
+    where a plain product has one, else 32-row blocks (16-row blocks where 32 would leave
+    the last wave of programs mostly empty on a card of `sms` SMs, and for a gated w,
+    whose programs load two blocks), with long K tiles at M = 1 and shorter ones, deeper
+    pipelined, above.
+
+    The squares in the loop keep a second copy of x's tile in registers (float32, beside
+    the dot's operand); with 512-long K tiles the kernel then spills on sm_90 (255
+    registers and 56 bytes of stack a thread at 16 x 512, 440 gated), so a norm or a gate
+    takes 256-long tiles, 4 stages deep, at M = 1 (and the tuned entries, all 512 long,
+    are for plain products). tests/kernels/test_skinny_gemm_registers.py compiles each
+    variant the layers launch for sm_90 and checks that none spills."""
     if dtype not in (torch.bfloat16, torch.float16) or not 1 <= m <= MAX_M:
         raise ValueError(f"no small-batch kernel for {m} rows of {dtype}")
-    if not gated:
+    if not (gated or norm):
         tuned = skinny_config(m, n, k, dtype)
         if tuned is not None:
             return tuned
     blocks32 = triton.cdiv(n // 2 if gated else n, 32)
     block_n = 16 if gated or (blocks32 > sms and blocks32 % sms < sms // 2) else 32
     if m == 1:
-        return SkinnyConfig(block_n, 512, 4, 3)
+        return (
+            SkinnyConfig(block_n, 256, 4, 4) if gated or norm else SkinnyConfig(block_n, 512, 4, 3)
+        )
     return SkinnyConfig(block_n, 128, 4, 6)
-
-
-def fused_norm_rows(config: SkinnyConfig) -> str:
-    """Where a fused norm sums its rows' squares at `config`'s tiles: in the GEMM's loop,
-    except with 512-long K tiles. There the loop holds a second copy of x's tile in
-    registers (a float32 one, for the squares, beside the dot's operand), and on sm_90
-    the kernel spills: 255 registers and 56 bytes of stack a thread plain, 440 gated, at
-    16 x 512 (tests/kernels/test_skinny_gemm_registers.py compiles each for sm_90). The
-    prepass reads x's rows once more from L2 instead."""
-    return "prepass" if config.block_k >= 512 else "loop"

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncllm_kernels.skinny_gemm import fused_config, fused_norm_rows
+from asyncllm_kernels.skinny_gemm import fused_config
 
 ROOT = Path(__file__).resolve().parents[2]
 # The dense layers of the benchmark shapes (n counts a gated w's gate and up rows):
@@ -40,7 +40,7 @@ LAYERS = [
 ]
 NORM_CODE = {None: 0, "loop": 1, "prepass": 2}
 # (BLOCK_N, BLOCK_K, warps, stages, NORM, GATED, ADD, M is 1): the loop form at 16 x 512,
-# gated, which `fused_norm_rows` avoids
+# gated, which `fused_config` avoids
 SPILLING = (16, 512, 4, 3, NORM_CODE["loop"], True, False, True)
 
 
@@ -51,8 +51,8 @@ def launched_variants() -> list[tuple]:
     for part, n, k in LAYERS:
         gated, norm, add = part == "gate_up", part in ("qkv", "gate_up"), part in ("o", "down")
         for m in (1, 16):
-            cfg = fused_config(m, n, k, torch.bfloat16, gated)
-            rows = fused_norm_rows(cfg) if norm else None
+            cfg = fused_config(m, n, k, torch.bfloat16, gated, norm=norm)
+            rows = "loop" if norm else None
             variants.add(
                 (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
                 + (NORM_CODE[rows], gated, add, m == 1)
@@ -144,8 +144,8 @@ def test_each_launched_variant_compiles_for_sm90_without_spills(reports, variant
 
 
 def test_the_loop_form_at_512_long_k_tiles_spills(reports):
-    """What `fused_norm_rows` avoids, and the proof that the check reads a spill. If a
-    newer Triton stops spilling here, the prepass rule can be measured again."""
+    """What `fused_config` avoids, and the proof that the check reads a spill. If a newer
+    Triton stops spilling here, the 512-long tiles can be measured again."""
     assert spill_stores(reports[SPILLING]) > 0, reports[SPILLING]
 
 

@@ -150,7 +150,6 @@ class LinearBase(nn.Module):
             MAX_M,
             device_sms,
             fused_config,
-            fused_norm_rows,
             fused_supported,
             skinny_gemm,
         )
@@ -167,14 +166,16 @@ class LinearBase(nn.Module):
             return None
 
         n, k = self.weight.shape
-        config = fused_config(t.shape[0], n, k, t.dtype, gated, device_sms(t.device))
+        config = fused_config(
+            t.shape[0], n, k, t.dtype, gated, device_sms(t.device), norm=pending is not None
+        )
         if pending is None:
             return skinny_gemm(t, self.weight, config, gated=gated, add_to=add_to)
         return skinny_gemm(
             pending.stream(),
             self.weight,
             config,
-            norm_rows=fused_norm_rows(config),
+            norm_rows="loop",
             eps=pending.norm.eps,
             gated=gated,
             add_to=add_to,
