@@ -206,9 +206,9 @@ def skinny_config(m: int, n: int, k: int, dtype: torch.dtype) -> SkinnyConfig | 
 
 @functools.cache
 def fused_supported(device: torch.device) -> bool:
-    """Whether `fused_config`'s tiles fit the device's shared memory: sm_80 and sm_90 on
-    (144 KB for the 32 x 512 tiles of o_proj and down at M = 1; sm_86 and sm_89 have
-    about 100 KB)."""
+    """Whether the layers use the fused kernels on the device: sm_80 and sm_90 on (run on
+    sm_90 only). Their largest tiles take 96 KB of shared memory (the 32 x 512 ones of
+    o_proj and down at M = 1); sm_86 and sm_89 allow 99 KB a block, untried."""
     major, minor = torch.cuda.get_device_capability(device)
     return major >= 9 or (major, minor) == (8, 0)
 
