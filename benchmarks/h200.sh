@@ -152,6 +152,8 @@ for s in "$@"; do
     throughput-8b) stage "$s" python3 -m asyncllm.bench.throughput "${L8[@]}" "${SYNC[@]}" ;;
     bench-attention) stage "$s" python3 benchmarks/kernels/bench_attention.py ;;
     bench-attention-all) stage "$s" python3 benchmarks/kernels/bench_attention.py --backend all ;;
+    # (Triton's latent-attention decode beside FlashInfer's MLA wrapper, where .fi is sent)
+    bench-mla) stage "$s" python3 benchmarks/kernels/bench_mla.py ;;
     prefill-0.6b) stage "$s" python3 -m asyncllm.bench.throughput "${Q06[@]}" "${SYNC[@]}" --workload prefill ;;
     prefill-8b) stage "$s" python3 -m asyncllm.bench.throughput "${L8[@]}" "${SYNC[@]}" --workload prefill ;;
     shared-prefix-0.6b) stage "$s" python3 -m asyncllm.bench.throughput "${Q06[@]}" "${SYNC[@]}" --workload shared-prefix ;;
