@@ -331,6 +331,10 @@ def _softmax_topk_kernel(
     x = tl.load(logits_ptr + t * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
+    # A NaN (from a NaN or infinite logit) ranks as probability 0, so that every row gets
+    # K distinct experts in range whatever its logits; padding ranks below any expert,
+    # and a chosen expert below that.
+    p = tl.where(p == p, p, 0.0)
     p = tl.where(mask, p, -1.0)
     total = 0.0
     for k in tl.static_range(K):
@@ -339,7 +343,7 @@ def _softmax_topk_kernel(
         tl.store(ids_ptr + t * K + k, idx.to(tl.int64))
         tl.store(weights_ptr + t * K + k, best)
         total += best
-        p = tl.where(offs == idx, -1.0, p)
+        p = tl.where(offs == idx, -2.0, p)
     if RENORMALIZE or scaling != 1.0 or ROUND is not None:
         for k in tl.static_range(K):
             w = tl.load(weights_ptr + t * K + k)
@@ -364,10 +368,14 @@ def softmax_topk(
     """(weights [T, k] float32, expert ids [T, k] int64), best first: the k highest
     softmax probabilities of each row (computed in float32), renormalised to sum to 1 when
     asked, times `scaling`, and rounded through `round_to` (bfloat16 or float16) when
-    given; one launch (torch's softmax, topk, scaling and casts take three or more)."""
+    given; one launch (torch's softmax, topk, scaling and casts take three or more). A
+    row with a NaN or an infinite logit still gets k distinct experts in range (its
+    NaN probabilities rank as 0)."""
     if round_to not in _ROUND:
         raise ValueError(f"round_to must be bfloat16, float16 or None, got {round_to}")
     T, E = router_logits.shape
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k must be between 1 and the {E} experts, got {top_k}")
     weights = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
     if T == 0:

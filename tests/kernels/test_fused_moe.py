@@ -152,7 +152,30 @@ def _check_routing(renormalize, scaling, round_to):
         assert (weights != want_w).any()  # (rounded, not passed through)
 
 
+def test_the_routing_kernel_gives_valid_experts_for_rows_of_nan_or_inf():
+    """A token whose router logits hold a NaN or an infinity (a diverged activation, as
+    random weights can give) still gets k distinct experts in range: an id past the last
+    expert made a later gather fail a device-side assert and killed the engine. Its
+    weights may be NaN; the other tokens' routing is unchanged."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(5, 20, generator=g)
+    want_w, want_ids = softmax_topk(logits.to(DEVICE), 4, True)
+    logits[1, 7] = float("nan")
+    logits[2] = float("nan")
+    logits[3, 2] = float("inf")
+    logits[4, :3] = float("-inf")
+    weights, ids = softmax_topk(logits.to(DEVICE), 4, True)
+    ids = ids.cpu()
+    assert ((ids >= 0) & (ids < 20)).all(), ids
+    assert all(len(set(row.tolist())) == 4 for row in ids), ids
+    assert torch.equal(ids[0], want_ids[0].cpu())
+    assert torch.equal(weights[0], want_w[0])
+    assert not set(ids[4].tolist()) & {0, 1, 2}  # (-inf: probability 0, never before the rest)
+
+
 def test_the_routing_kernel_refuses_other_rounding_types():
     logits = torch.randn(2, 8).to(DEVICE)
     with pytest.raises(ValueError, match="round_to"):
         softmax_topk(logits, 2, True, round_to=torch.float64)
+    with pytest.raises(ValueError, match="top_k"):
+        softmax_topk(logits, 9, True)
