@@ -7,8 +7,7 @@ residual-add RMSNorm kernel, then the GEMM as `LinearBase` picks it, then silu_a
 for gate/up; o_proj and down: the GEMM alone, its add being in the next norm's launch),
 "plain" the skinny kernel alone with `fused_config` (gate/up: with its gate), "fused"
 the one launch with its neighbours (the norm's weight folded into w), at `fused_config`'s
-tiles and others, the rows' squares summed in the GEMM's loop or in a pass before it;
-"(the layers')" marks the one the layers run.
+tiles and others; "(the layers')" marks the one the layers run.
 
     PYTHONPATH=src:kernels python3 benchmarks/kernels/bench_fused_skinny.py [--m M] [SHAPE ...]
 """
@@ -58,12 +57,12 @@ def time_case(part: str, m: int, weights: list[torch.Tensor], g: torch.Tensor) -
         y = skinny_gemm(h, w, cfg) if cfg is not None else F.linear(h, w)
         return silu_and_mul(y) if gated else y
 
-    def fused(w, cfg, rows):  # (w stands for the weight with the norm's folded in)
+    def fused(w, cfg):  # (w stands for the weight with the norm's folded in)
         return skinny_gemm(
             res if norm else x,
             w,
             cfg,
-            norm_rows=rows or None,
+            norm=norm,
             gated=gated,
             add_to=res if add else None,
         )
@@ -72,22 +71,18 @@ def time_case(part: str, m: int, weights: list[torch.Tensor], g: torch.Tensor) -
         return graph_time_calls_us([lambda w=w: fn(w) for w in weights])
 
     cfg = fused_config(m, n, k, torch.bfloat16, gated, norm=norm)
-    picked = (tag(cfg), "loop" if norm else "")
     plain = fused_config(m, n, k, torch.bfloat16, gated)
     times = {
         "apart": timed(apart),
         f"plain {tag(plain)}": timed(lambda w: skinny_gemm(x, w, plain, gated=gated)),
     }
     for tiles in [cfg, *(t for t in OTHER_TILES if t != cfg)]:
-        for rows in ("loop", "prepass") if norm else ("",):
-            try:
-                fused(weights[0], tiles, rows)
-            except OutOfResources:
-                continue
-            key = f"fused {tag(tiles)} {rows}".rstrip()
-            if (tag(tiles), rows) == picked:
-                key += " (the layers')"
-            times[key] = timed(lambda w, c=tiles, r=rows: fused(w, c, r))
+        try:
+            fused(weights[0], tiles)
+        except OutOfResources:
+            continue
+        key = f"fused {tag(tiles)}" + (" (the layers')" if tiles == cfg else "")
+        times[key] = timed(lambda w, c=tiles: fused(w, c))
     return times
 
 

@@ -11,11 +11,12 @@ The accumulation is float32; the output takes x's dtype.
 
 At these sizes each launch of a few microseconds is a visible share of a decoder layer,
 so the kernel can take in the launches beside it (each a constexpr switch):
-- `norm_rows`: RMSNorm of x first, whose weight the caller has folded into w's
-  columns (rms_norm(x, g) @ w.T = rsqrt(mean(x²) + eps) * (x @ (w * g).T)), so that x
-  enters the dot as loaded. Each program sums the squares of x's rows ("loop": of the
-  tiles the GEMM loads anyway; "prepass": in a pass of their own before it, x being
-  small and in L2) and scales its float32 sums by the rows' rsqrt at the end.
+- `norm`: RMSNorm of x first, whose weight the caller has folded into w's columns
+  (rms_norm(x, g) @ w.T = rsqrt(mean(x²) + eps) * (x @ (w * g).T)), so that x enters
+  the dot as loaded. Each program sums the squares of x's rows in a pass of its own
+  before the GEMM's loop (x is small, and in L2) and scales its float32 sums by the
+  rows' rsqrt at the end. (Summed in the loop instead, from the tiles the dot loads,
+  the squares cost 1.5-4x the launch's time on an H200: docs/benchmarks.md.)
 - `gated`: w holds the gate rows then the up rows ([2N, K]); the output is
   silu(x @ gate.T) * (x @ up.T), [M, N], computed in float32 (the MLP's gate/up).
 - `add_to`: the result is added into that [M, N] tensor in place, in float32 with one
@@ -83,7 +84,7 @@ def _skinny_gemm_kernel(
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     squares = tl.zeros([16], dtype=tl.float32)
-    if NORM == 2:  # the squares in a pass of their own (x is small, and in L2)
+    if NORM:  # the squares in a pass of their own (x is small, and in L2)
         for k0 in range(0, K, BLOCK_K):
             k_mask = (k0 + offs_k) < K
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -93,9 +94,6 @@ def _skinny_gemm_kernel(
         k_mask = (k0 + offs_k) < K
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if NORM == 1:
-            x32 = x.to(tl.float32)
-            squares += tl.sum(x32 * x32, axis=1)
         acc = tl.dot(x, tl.trans(w), acc)
         if GATED:
             u = tl.load(up_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
@@ -103,7 +101,7 @@ def _skinny_gemm_kernel(
             up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if NORM != 0:
+    if NORM:
         rstd = tl.rsqrt(squares / K + eps)
         acc = acc * rstd[:, None]
         up = up * rstd[:, None]
@@ -121,13 +119,13 @@ def skinny_gemm(
     w: torch.Tensor,
     config: SkinnyConfig,
     *,
-    norm_rows: str | None = None,
+    norm: bool = False,
     eps: float = 1e-6,
     gated: bool = False,
     add_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [M, K] with M <= 16, w: [N, K] (each with a unit stride along K) -> [M, N]:
-    x @ w.T; with `norm_rows` ("loop" or "prepass"), of x's rows scaled by
+    x @ w.T; with `norm`, of x's rows scaled by
     rsqrt(mean(x²) + eps) (a norm whose weight is folded into w); with `gated`,
     silu(x @ gate.T) * (x @ up.T), [M, N / 2]; with `add_to`, added into it in place
     (and it is returned)."""
@@ -141,9 +139,6 @@ def skinny_gemm(
         raise ValueError("x and w need a unit stride along K")
     if gated and rows % 2:
         raise ValueError(f"a gated w holds gate and up rows alike: {rows} rows is odd")
-    norm = {None: 0, "loop": 1, "prepass": 2}.get(norm_rows)
-    if norm is None:
-        raise ValueError(f"norm_rows is None, 'loop' or 'prepass', got {norm_rows!r}")
     N = rows // 2 if gated else rows
     if add_to is None:
         out = torch.empty(M, N, device=x.device, dtype=x.dtype)
@@ -166,7 +161,7 @@ def skinny_gemm(
         eps,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        NORM=norm,
+        NORM=bool(norm),
         GATED=gated,
         ADD=add_to is not None,
         num_warps=config.num_warps,
@@ -207,8 +202,8 @@ def skinny_config(m: int, n: int, k: int, dtype: torch.dtype) -> SkinnyConfig | 
 @functools.cache
 def fused_supported(device: torch.device) -> bool:
     """Whether the layers use the fused kernels on the device: sm_80 and sm_90 on (run on
-    sm_90 only). Their largest tiles take 96 KB of shared memory (the 32 x 512 ones of
-    o_proj and down at M = 1); sm_86 and sm_89 allow 99 KB a block, untried."""
+    sm_90 only). Their largest tiles take 120 KB of shared memory (the gated 32 x 256
+    ones at M = 1, 4 stages), past the 99 KB a block of sm_86 and sm_89."""
     major, minor = torch.cuda.get_device_capability(device)
     return major >= 9 or (major, minor) == (8, 0)
 
@@ -228,28 +223,27 @@ def fused_config(
     norm: bool = False,
 ) -> SkinnyConfig:
     """The config for a product with a neighbour fused in (w: [n, k], n counting a gated
-    w's gate and up rows; `norm`: its rows' squares summed in the loop): the tuned one
-    where a plain product has one, else 32-row blocks (16-row blocks where 32 would leave
-    the last wave of programs mostly empty on a card of `sms` SMs, and for a gated w,
-    whose programs load two blocks), with long K tiles at M = 1 and shorter ones, deeper
-    pipelined, above.
-
-    The squares in the loop keep a second copy of x's tile in registers (float32, beside
-    the dot's operand); with 512-long K tiles the kernel then spills on sm_90 (255
-    registers and 56 bytes of stack a thread at 16 x 512, 440 gated), so a norm or a gate
-    takes 256-long tiles, 4 stages deep, at M = 1 (and the tuned entries, all 512 long,
-    are for plain products). tests/kernels/test_skinny_gemm_registers.py compiles each
-    variant the layers launch for sm_90 and checks that none spills."""
+    w's gate and up rows). At M = 1, as bench_fused_skinny.py measured on an H200 (the
+    Llama-3.1-8B and Qwen3-0.6B shapes, docs/benchmarks.md): a norm's product 32 x 512
+    tiles (the fastest on both shapes' qkv), a gated one 32 x 256, 4 stages (the fastest
+    on the 0.6B's gate/up; on the 8B's, 64 x 128 was, and every fused form lost to
+    cuBLAS's GEMM beside the norm and the gate's own launches), a plain one (an add
+    after it) the tuned config where the shape has one. Elsewhere 32-row blocks (16-row
+    where 32 would leave the last wave of programs mostly empty on a card of `sms` SMs),
+    with long K tiles at M = 1 and shorter ones, deeper pipelined, above; these are
+    unmeasured."""
     if dtype not in (torch.bfloat16, torch.float16) or not 1 <= m <= MAX_M:
         raise ValueError(f"no small-batch kernel for {m} rows of {dtype}")
-    if not (gated or norm):
+    if m == 1 and gated:
+        return SkinnyConfig(32, 256, 4, 4)
+    if m == 1 and norm:
+        return SkinnyConfig(32, 512, 4, 3)
+    if not gated:
         tuned = skinny_config(m, n, k, dtype)
         if tuned is not None:
             return tuned
     blocks32 = triton.cdiv(n // 2 if gated else n, 32)
-    block_n = 16 if gated or (blocks32 > sms and blocks32 % sms < sms // 2) else 32
+    block_n = 16 if blocks32 > sms and blocks32 % sms < sms // 2 else 32
     if m == 1:
-        return (
-            SkinnyConfig(block_n, 256, 4, 4) if gated or norm else SkinnyConfig(block_n, 512, 4, 3)
-        )
+        return SkinnyConfig(block_n, 512, 4, 3)
     return SkinnyConfig(block_n, 128, 4, 6)

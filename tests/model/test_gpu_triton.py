@@ -89,8 +89,8 @@ def test_fused_small_batch_gemms_equal_the_launches_apart(tmp_path, monkeypatch)
     kernel = skinny.skinny_gemm
 
     def counted(x, w, config, **fused):
-        norm, gated, add = (fused.get(k) for k in ("norm_rows", "gated", "add_to"))
-        kinds.add((norm is not None, bool(gated), add is not None))
+        norm, gated, add = (fused.get(k) for k in ("norm", "gated", "add_to"))
+        kinds.add((bool(norm), bool(gated), add is not None))
         return kernel(x, w, config, **fused)
 
     monkeypatch.setattr(skinny, "skinny_gemm", counted)

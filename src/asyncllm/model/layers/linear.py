@@ -175,7 +175,7 @@ class LinearBase(nn.Module):
             pending.stream(),
             self.weight,
             config,
-            norm_rows="loop",
+            norm=True,
             eps=pending.norm.eps,
             gated=gated,
             add_to=add_to,
