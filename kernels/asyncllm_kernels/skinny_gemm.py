@@ -229,9 +229,9 @@ def fused_config(
     on the 0.6B's gate/up; on the 8B's, 64 x 128 was, and every fused form lost to
     cuBLAS's GEMM beside the norm and the gate's own launches), a plain one (an add
     after it) the tuned config where the shape has one. Elsewhere 32-row blocks (16-row
-    where 32 would leave the last wave of programs mostly empty on a card of `sms` SMs),
-    with long K tiles at M = 1 and shorter ones, deeper pipelined, above; these are
-    unmeasured."""
+    where 32 would leave the last wave of programs mostly empty on a card of `sms` SMs,
+    and for a gated w, whose programs load two blocks), with long K tiles at M = 1 and
+    shorter ones, deeper pipelined, above; these are unmeasured."""
     if dtype not in (torch.bfloat16, torch.float16) or not 1 <= m <= MAX_M:
         raise ValueError(f"no small-batch kernel for {m} rows of {dtype}")
     if m == 1 and gated:
@@ -243,7 +243,7 @@ def fused_config(
         if tuned is not None:
             return tuned
     blocks32 = triton.cdiv(n // 2 if gated else n, 32)
-    block_n = 16 if blocks32 > sms and blocks32 % sms < sms // 2 else 32
+    block_n = 16 if gated or (blocks32 > sms and blocks32 % sms < sms // 2) else 32
     if m == 1:
         return SkinnyConfig(block_n, 512, 4, 3)
     return SkinnyConfig(block_n, 128, 4, 6)
