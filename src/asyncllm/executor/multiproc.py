@@ -100,6 +100,7 @@ logger = logging.getLogger(__name__)
 
 GRACEFUL_EXIT_S = 3.0  # how long shutdown waits for the workers to leave by themselves
 KILL_WAIT_S = 5.0
+QUEUE_CLOSED_WAIT_S = 5.0  # for a worker whose queue closed to be seen ending
 READERS_TIMEOUT_S = 60.0  # for a queue's readers to attach, once they have said they did
 STEP_QUEUE_CHUNKS = 8
 STEP_QUEUE_CHUNK_BYTES = 1 << 20  # larger steps go over the queue's ZMQ socket
@@ -442,25 +443,29 @@ class MultiprocExecutor(Executor):
     def _watch_workers(self) -> None:
         """The monitor thread: a worker that exits while the engine runs fails it."""
         while self._wait_for_exit() and not self._stopping:
-            dead = [w for w in self._workers if w.poll() is not None]
-            if not dead:
-                continue
-            if not self._stopping:
-                # A worker killed by a signal first: its peers' errors (a collective
-                # whose peer is gone) follow from it.
-                dead.sort(key=lambda w: (int(w.poll() or 0) >= 0, w.rank))
-                error = self._death(dead[0])
-                if len(dead) > 1:
-                    others = ", ".join(f"rank {w.rank} {exit_reason(w.poll())}" for w in dead[1:])
-                    error = WorkerDiedError(f"{error} (also ended: {others})")
-                self._fail(error)
-            return
+            if self._fail_for_ended_workers():
+                return
 
-    def _wait_for_exit(self) -> bool:
+    def _fail_for_ended_workers(self) -> bool:
+        """Fails the executor if a worker has ended (True), naming a worker killed by a
+        signal first: its peers' errors (a collective whose peer is gone) follow from it."""
+        dead = [w for w in self._workers if w.poll() is not None]
+        if not dead or self._stopping:
+            return bool(dead)
+        dead.sort(key=lambda w: (int(w.poll() or 0) >= 0, w.rank))
+        error = self._death(dead[0])
+        if len(dead) > 1:
+            others = ", ".join(f"rank {w.rank} {exit_reason(w.poll())}" for w in dead[1:])
+            error = WorkerDiedError(f"{error} (also ended: {others})")
+        self._fail(error)
+        return True
+
+    def _wait_for_exit(self, timeout: float | None = None) -> bool:
         """Returns when a worker may have ended (True), or when the monitor must stop
-        (False: woken by shutdown)."""
+        (False: woken by shutdown), or after `timeout` s (True)."""
         pidfds = [w.pidfd for w in self._workers if w.pidfd is not None]
-        timeout = None if len(pidfds) == len(self._workers) else 0.2
+        if len(pidfds) < len(self._workers):
+            timeout = 0.2 if timeout is None else min(timeout, 0.2)
         try:
             ready = select.select([self._wake_r, *pidfds], [], [], timeout)[0]
         except (OSError, ValueError):
@@ -522,6 +527,14 @@ class MultiprocExecutor(Executor):
         try:
             yield
         except QueueClosed:
+            # A worker's end closes its queue, maybe before the monitor has seen it end
+            # (a peer of a killed worker fails its collective and exits while the kill
+            # is still being carried out): wait a little for the end, to name its cause.
+            deadline = time.monotonic() + QUEUE_CLOSED_WAIT_S
+            while self._failure is None and not self._fail_for_ended_workers():
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._wait_for_exit(left):
+                    break
             self._raise_if_failed()
             raise
         except TimeoutError:

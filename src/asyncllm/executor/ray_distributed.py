@@ -339,10 +339,11 @@ class RayDistributedExecutor(MultiprocExecutor):
         )
         self._monitor.start()
 
-    def _wait_for_exit(self) -> bool:
+    def _wait_for_exit(self, timeout: float | None = None) -> bool:
         refs = [w.run_ref for w in self._workers if w.run_ref is not None]
+        wait_s = MONITOR_POLL_S if timeout is None else min(timeout, MONITOR_POLL_S)
         try:
-            self._ray.wait(refs, num_returns=1, timeout=MONITOR_POLL_S)
+            self._ray.wait(refs, num_returns=1, timeout=wait_s)
         except Exception:  # noqa: BLE001 (Ray shut down under us)
             return False
         return not self._stopping
