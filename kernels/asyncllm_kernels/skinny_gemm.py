@@ -161,7 +161,7 @@ def skinny_gemm(
         eps,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        NORM=bool(norm),
+        NORM=norm,
         GATED=gated,
         ADD=add_to is not None,
         num_warps=config.num_warps,

@@ -166,17 +166,14 @@ class LinearBase(nn.Module):
             return None
 
         n, k = self.weight.shape
-        config = fused_config(
-            t.shape[0], n, k, t.dtype, gated, device_sms(t.device), norm=pending is not None
-        )
-        if pending is None:
-            return skinny_gemm(t, self.weight, config, gated=gated, add_to=add_to)
+        norm = pending is not None
+        config = fused_config(t.shape[0], n, k, t.dtype, gated, device_sms(t.device), norm=norm)
         return skinny_gemm(
-            pending.stream(),
+            pending.stream() if pending is not None else t,
             self.weight,
             config,
-            norm=True,
-            eps=pending.norm.eps,
+            norm=norm,
+            eps=pending.norm.eps if pending is not None else 0.0,
             gated=gated,
             add_to=add_to,
         )
