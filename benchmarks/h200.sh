@@ -167,6 +167,7 @@ for s in "$@"; do
     sweep-skinny-8b) stage "$s" python3 benchmarks/kernels/sweep_skinny_gemm.py llama8b.qkv llama8b.gate_up ;;
     sweep-skinny-moe) stage "$s" python3 benchmarks/kernels/sweep_skinny_gemm.py moe ;;
     sweep-moe) stage "$s" python3 benchmarks/kernels/sweep_moe.py ;;
+    sweep-moe-small) stage "$s" python3 benchmarks/kernels/sweep_moe.py --small ;;
     bench-fused-skinny) stage "$s" python3 benchmarks/kernels/bench_fused_skinny.py ;;
     bench-fused-skinny-m1) stage "$s" python3 benchmarks/kernels/bench_fused_skinny.py --m 1 ;;
     sweep-prefill) stage "$s" python3 benchmarks/kernels/sweep_prefill.py ;;

@@ -6,7 +6,10 @@ Prints, per shape, token count and GEMM, the floor (the routed experts' weight b
 COPY_BW), the default's time and the best config's, and the whole layer (`fused_moe`:
 sort, both GEMMs, the sum).
 
-    PYTHONPATH=src:kernels python3 benchmarks/kernels/sweep_moe.py [--quick]
+With --small, the small-batch path instead (`fused_moe_small`: no sort, two launches) at
+1-8 tokens: the layer both ways, then each of its GEMMs under every config.
+
+    PYTHONPATH=src:kernels python3 benchmarks/kernels/sweep_moe.py [--quick | --small]
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ from asyncllm_kernels.fused_moe import (
     align_slots_by_expert,
     block_m_for,
     fused_moe,
+    fused_moe_small,
+    fused_moe_sorted,
     grouped_gemm,
+    small_down,
+    small_gate_up,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -114,8 +121,94 @@ def sweep(name: str, E: int, K: int, H: int, inter: int, T: int, quick: bool) ->
     return row
 
 
+SMALL_TOKENS = (1, 2, 4, 8)
+
+
+def small_configs() -> list[GroupedConfig]:
+    return [
+        GroupedConfig(bn, bk, 4, st)
+        for bn, bk, st in itertools.product((16, 32), (128, 256, 512), (3, 4, 5))
+    ]
+
+
+def sweep_small(name: str, E: int, K: int, H: int, inter: int, T: int) -> dict:
+    """The small-batch path at T tokens: the layer against the sorted path, then each of
+    its GEMMs under the default tiles and every config."""
+    dev = torch.device("cuda")
+    w13 = torch.randn(E, 2 * inter, H, device=dev, dtype=torch.bfloat16) / H**0.5
+    w2 = torch.randn(E, H, inter, device=dev, dtype=torch.bfloat16) / inter**0.5
+    sets = []
+    for _ in range(ROUTINGS):
+        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+        weights, ids = torch.topk(torch.softmax(torch.randn(T, E, device=dev), -1), K, dim=-1)
+        sets.append((x, weights, ids, ids.flatten().contiguous(), weights.flatten().contiguous()))
+    routed = sum(len(set(s[2].flatten().tolist())) for s in sets) / ROUTINGS
+    floor = routed * 3 * inter * H * 2 / COPY_BW * 1e6
+    want = fused_moe_sorted(sets[0][0], w13, w2, sets[0][1], sets[0][2])
+    got = fused_moe_small(sets[0][0], w13, w2, sets[0][1], sets[0][2]).float()
+    err = ((got - want.float()).norm() / want.float().norm()).item()
+    if err > 1e-2:
+        raise AssertionError(f"{name} T={T}: the small path's relative error {err}")
+    layer = {
+        path: graph_time_calls_us([lambda s=s, f=f: f(s[0], w13, w2, s[1], s[2]) for s in sets])
+        for path, f in (("sorted", fused_moe_sorted), ("small", fused_moe_small))
+    }
+    print(
+        f"{name} T={T}: {routed:5.1f} experts routed, floor {floor:6.1f} us, the layer "
+        f"sorted {layer['sorted']:6.1f} us ({floor / layer['sorted']:4.2f}), "
+        f"small {layer['small']:6.1f} us ({floor / layer['small']:4.2f})",
+        flush=True,
+    )
+    row: dict = dict(shape=name, tokens=T, experts_routed=routed, floor_us=floor, layer_us=layer)
+    if T > 4:
+        return row
+    a_sets = [small_gate_up(s[0], w13, s[3], s[4]) for s in sets]
+
+    def gate_up(i: int, cfg: GroupedConfig | None) -> torch.Tensor:
+        return small_gate_up(sets[i][0], w13, sets[i][3], sets[i][4], cfg)
+
+    def down(i: int, cfg: GroupedConfig | None) -> torch.Tensor:
+        return small_down(a_sets[i], w2, sets[i][3], T, cfg)
+
+    for gemm, call, share in (("gate_up", gate_up, 2 / 3), ("down", down, 1 / 3)):
+        default = graph_time_calls_us([lambda i=i, f=call: f(i, None) for i in range(ROUTINGS)])
+        ref = call(0, None).float()
+        timed: dict[GroupedConfig, float] = {}
+        for cfg in small_configs():
+            try:
+                out = call(0, cfg).float()
+            except OutOfResources:
+                continue
+            err = ((out - ref).norm() / ref.norm()).item()
+            if err > 1e-2:
+                raise AssertionError(f"{name} T={T} {gemm} {cfg}: relative error {err}")
+            timed[cfg] = graph_time_calls_us(
+                [lambda i=i, c=cfg, f=call: f(i, c) for i in range(ROUTINGS)]
+            )
+        best = sorted(timed, key=timed.__getitem__)
+        print(
+            f"  {gemm:8s} floor {floor * share:6.1f} us | default {default:6.1f} us "
+            f"({floor * share / default:4.2f}) | best {timed[best[0]]:6.1f} us "
+            f"({floor * share / timed[best[0]]:4.2f}) {best[0]}",
+            flush=True,
+        )
+        for cfg in best[1:4]:
+            print(f"    next {timed[cfg]:6.1f} us {cfg}", flush=True)
+        row[gemm] = dict(default_us=default, configs={str(c): t for c, t in timed.items()})
+    return row
+
+
 def main() -> None:
     quick = "--quick" in sys.argv
+    if "--small" in sys.argv:
+        torch.manual_seed(0)
+        rows = [
+            sweep_small(name, E, K, H, inter, T)
+            for name, E, K, H, inter in SHAPES
+            for T in SMALL_TOKENS
+        ]
+        write_json("sweep_moe_small", rows)
+        return
     torch.manual_seed(0)
     rows = []
     for name, E, K, H, inter in SHAPES:

@@ -14,8 +14,15 @@ batch's tokens chose it.
 
 The first GEMM's programs take a gate tile and the up tile of the same columns, so `a` is
 written by its epilogue (h is never stored), and only the blocks that can hold a slot are
-launched: a layer is four launches (sort, two GEMMs, the sum), which at batch 1 is most
-of its time.
+launched: a layer is four launches (sort, two GEMMs, the sum).
+
+Up to `SMALL_BATCH_TOKENS` tokens (decode at batch 1-4, where these launches are most of
+a layer's time and few experts are shared) there is no sort: each slot's programs read
+their expert's id and stream its weight rows (the skinny GEMM's form: one row padded to
+16 for `tl.dot`), the routing weight is applied in the gate/up epilogue (a[s] =
+weight[s] * silu(gate) * up, the same sum by linearity), and each down program walks
+its token's K experts in one loop into one accumulator, so the sum over experts needs no
+launch or store of its own: two launches.
 
 The sort runs on the device with fixed-size outputs (no host sync), so a step can be
 captured in a CUDA graph. `reference.fused_moe_ref` is the same in plain torch, expert
@@ -280,6 +287,200 @@ def grouped_gemm(
     )
 
 
+# Up to this many tokens a layer takes the small-batch path (no sort, two launches).
+SMALL_BATCH_TOKENS = 4
+
+
+@triton.jit
+def _small_gate_up_gemm_kernel(
+    x_ptr,  # [T, K]
+    w_ptr,  # [E, 2N, K]: gate rows then up rows
+    a_ptr,  # [T * TOP_K, N]
+    ids_ptr,  # [T * TOP_K]
+    weights_ptr,  # [T * TOP_K]
+    N,
+    K,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_am,
+    TOP_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + s).to(tl.int64)
+    offs_m = tl.arange(0, 16)  # (row 0 is the slot's token; 1-15 pad the dot)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    first = offs_m[:, None] == 0
+    n_mask = offs_n < N
+    x_ptrs = x_ptr + (s // TOP_K) * stride_xm + offs_m[:, None] * 0 + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    up_ptrs = w_ptrs + N * stride_wn
+    gate = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + offs_k) < K
+        x = tl.load(x_ptrs, mask=first & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        u = tl.load(up_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        gate = tl.dot(x, tl.trans(w), gate, input_precision=PRECISION)
+        up = tl.dot(x, tl.trans(u), up, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    g = tl.sum(gate, axis=0)  # (the padding rows are zeros)
+    a = g / (1.0 + tl.exp(-g)) * tl.sum(up, axis=0) * tl.load(weights_ptr + s).to(tl.float32)
+    tl.store(a_ptr + s * stride_am + offs_n, a.to(a_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _small_down_gemm_kernel(
+    a_ptr,  # [T * TOP_K, K]
+    w_ptr,  # [E, N, K]
+    out_ptr,  # [T, N]
+    ids_ptr,  # [T * TOP_K]
+    N,
+    K,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    TOP_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    offs_m = tl.arange(0, 16)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    first = offs_m[:, None] == 0
+    n_mask = offs_n < N
+    w_rows = offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    chunks = tl.cdiv(K, BLOCK_K)
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    # (one loop over the token's experts and their K tiles, so that it pipelines whole)
+    for i in range(0, TOP_K * chunks):
+        s = t * TOP_K + i // chunks
+        k0 = (i % chunks) * BLOCK_K
+        k_mask = (k0 + offs_k) < K
+        expert = tl.load(ids_ptr + s).to(tl.int64)
+        a = tl.load(
+            a_ptr + s * stride_am + k0 + offs_m[:, None] * 0 + offs_k[None, :],
+            mask=first & k_mask[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + expert * stride_we + k0 + w_rows,
+            mask=n_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    out = tl.sum(acc, axis=0)
+    tl.store(out_ptr + t * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def small_config(n: int, k: int) -> GroupedConfig:
+    """The small-batch GEMMs' tiles for N output columns and K inputs: 16 columns a
+    program (at batch 1 the down projection of a 2,048-wide model is then 128 programs),
+    256 along K. Unmeasured: `benchmarks/kernels/sweep_moe.py` times the others."""
+    return GroupedConfig(
+        block_n=16,
+        block_k=256 if k >= 256 else triton.next_power_of_2(max(k, 16)),
+        num_warps=4,
+        num_stages=4,
+    )
+
+
+def fused_moe_small(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    configs: tuple[GroupedConfig, GroupedConfig] | None = None,
+) -> torch.Tensor:
+    """`fused_moe` without the sort, in two launches (the module docstring): for a few
+    tokens. `configs`: the gate/up and down GEMMs' tiles (`small_config` by default)."""
+    x = x.contiguous()
+    ids = topk_ids.flatten().contiguous()
+    gate_up, down = configs or (None, None)
+    a = small_gate_up(x, w13, ids, topk_weights.flatten().contiguous(), gate_up)
+    return small_down(a, w2, ids, x.shape[0], down)
+
+
+def small_gate_up(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    config: GroupedConfig | None = None,
+) -> torch.Tensor:
+    """a [T * K, I]: weights[s] * silu(x[s // K] @ gate[e].T) * (x[s // K] @ up[e].T) for
+    each slot s and its expert e = ids[s] (ids and weights: [T * K], contiguous)."""
+    (T, H), slots, inter = x.shape, ids.numel(), w13.shape[1] // 2
+    cfg = config or small_config(inter, H)
+    a = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
+    _small_gate_up_gemm_kernel[(slots, triton.cdiv(inter, cfg.block_n))](
+        x,
+        w13,
+        a,
+        ids,
+        weights,
+        inter,
+        H,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        a.stride(0),
+        TOP_K=slots // T,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return a
+
+
+def small_down(
+    a: torch.Tensor,
+    w2: torch.Tensor,
+    ids: torch.Tensor,
+    num_tokens: int,
+    config: GroupedConfig | None = None,
+) -> torch.Tensor:
+    """out [T, H]: the sum over each token's K slots s of a[s] @ w2[ids[s]].T."""
+    slots, inter = a.shape
+    H = w2.shape[1]
+    cfg = config or small_config(H, inter)
+    out = torch.empty(num_tokens, H, dtype=a.dtype, device=a.device)
+    _small_down_gemm_kernel[(num_tokens, triton.cdiv(H, cfg.block_n))](
+        a,
+        w2,
+        out,
+        ids,
+        H,
+        inter,
+        a.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+        TOP_K=slots // num_tokens,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
 def block_m_for(num_tokens: int, top_k: int, num_experts: int) -> int:
     """Slots per tile: small for a few slots per expert (decode), larger for prefill."""
     per_expert = num_tokens * top_k / num_experts
@@ -296,11 +497,25 @@ def fused_moe(
     """out [T, H] for x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights/ids [T, K]
     (see the module docstring); x's dtype, float32 accumulation. (Routing weights in
     float32, as `softmax_topk` gives them, take no conversion launch.)"""
+    T = x.shape[0]
+    if T == 0:
+        return torch.zeros_like(x)
+    if T <= SMALL_BATCH_TOKENS:
+        return fused_moe_small(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_sorted(x, w13, w2, topk_weights, topk_ids)
+
+
+def fused_moe_sorted(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """`fused_moe` through the sort by expert, for any number of tokens."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E, two_i, _ = w13.shape
-    if T == 0:
-        return torch.zeros_like(x)
     x = x.contiguous()
     block_m = block_m_for(T, K, E)
     routing = align_slots_by_expert(topk_ids, E, block_m)

@@ -13,6 +13,8 @@ from asyncllm_kernels.fused_moe import (
     align_slots_by_expert,
     align_slots_by_expert_torch,
     fused_moe,
+    fused_moe_small,
+    fused_moe_sorted,
     grouped_gemm,
     softmax_topk,
 )
@@ -84,6 +86,23 @@ def _check(dtype, T, E, K, H, inter, skew):
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     err = ((got.float() - want).norm() / want.norm()).item()
     assert err <= tol, err
+
+
+SMALL_TILES = [None, (GroupedConfig(16, 16, 4, 2), GroupedConfig(32, 16, 2, 3))]
+
+
+@pytest.mark.parametrize("tiles", SMALL_TILES)
+@pytest.mark.parametrize("T,skew", [(1, False), (3, True), (4, False)])
+def test_the_small_batch_path_equals_the_sorted_one_and_the_reference(tiles, T, skew):
+    # (H and inter off the tiles; with 16-wide K tiles each down program walks several
+    # tiles of each of its token's experts in one loop)
+    E, K, H, inter = 8, 3, 48, 40
+    x, w13, w2, weights, ids = _layer(T, E, K, H, inter, torch.float32, seed=T, skew=skew)
+    small = fused_moe_small(x, w13, w2, weights, ids, tiles)
+    want = fused_moe_ref(x, w13, w2, weights, ids)
+    assert small.shape == (T, H)
+    assert torch.allclose(small, want, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(fused_moe_sorted(x, w13, w2, weights, ids), want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("config", [None, GroupedConfig(16, 32, 4, 3), GroupedConfig(32, 16, 2, 2)])
