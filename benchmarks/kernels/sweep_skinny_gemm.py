@@ -36,11 +36,13 @@ DENSE_SHAPES = [
     ("qwen06b.down", 1024, 3072),
 ]
 # The dense layers of the mixture-of-experts shapes (their experts are fused_moe's):
-# Qwen3-30B-A3B's qkv and o_proj; DeepSeek-V2-Lite's q_proj, kv_a_proj_with_mqa, o_proj
-# and its two shared experts' gate_up and down.
+# Qwen3-30B-A3B's qkv, o_proj and router; DeepSeek-V2-Lite's q_proj, kv_a_proj_with_mqa,
+# o_proj, router and its two shared experts' gate_up and down.
 MOE_SHAPES = [
     ("qwen30b.qkv", 5120, 2048),
     ("qwen30b.o", 2048, 4096),
+    ("qwen30b.router", 128, 2048),
+    ("dsv2lite.router", 64, 2048),
     ("dsv2lite.q", 3072, 2048),
     ("dsv2lite.kv_a", 576, 2048),
     ("dsv2lite.o", 2048, 2048),
