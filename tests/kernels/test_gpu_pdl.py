@@ -115,3 +115,41 @@ def test_a_graph_of_pdl_launches_equals_plain_launches(monkeypatch):
         assert torch.equal(out, out_want)
         assert torch.equal(state["residual"], res_want)
         assert torch.equal(state["k_cache"], cache_want)
+
+
+@pytest.mark.parametrize("T", [2, 24])  # (the small-batch path, then the sort)
+def test_a_graph_of_pdl_moe_launches_equals_plain_launches(monkeypatch, T):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    from asyncllm_kernels.fused_moe import fused_moe, softmax_topk
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator().manual_seed(T)
+    E, K, H, INNER = 16, 4, 256, 192
+    router = (0.1 * torch.randn(E, H, generator=gen)).to(dev, dt)
+    w13 = (0.05 * torch.randn(E, 2 * INNER, H, generator=gen)).to(dev, dt)
+    w2 = (0.05 * torch.randn(E, H, INNER, generator=gen)).to(dev, dt)
+
+    def layer(x):
+        weights, ids = softmax_topk(x @ router.T, K, True, round_to=dt)
+        y = fused_moe(x, w13, w2, weights, ids)
+        return fused_moe(y + x, w13, w2, weights, ids)  # (a kernel after a PDL kernel)
+
+    cases = [torch.randn(T, H, generator=gen).to(dev, dt) for _ in range(3)]
+    monkeypatch.setattr(pdl, "_enabled", False)
+    want = [layer(x).clone() for x in cases]
+    monkeypatch.setattr(pdl, "_enabled", True)
+    x = cases[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(x)  # (compiles the PDL variants outside the capture)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+    for case, out_want in zip(cases, want, strict=True):
+        x.copy_(case)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, out_want)
