@@ -37,8 +37,6 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncllm_kernels import pdl
-
 # Up to this many slots (decode batches up to about 170 tokens at 6 experts each) the
 # sort is one program's launch; past it the program's tile loop costs more than the torch
 # ops' launches (79 µs for 1,536 slots on an H100, 64-slot tiles).
@@ -80,7 +78,6 @@ def align_slots_by_expert(
         BLOCK=block,
         BLOCK_E=block_e,
         num_warps=8,
-        **pdl.options(flat),
     )
     return sorted_slots, block_experts, num_padded
 
@@ -97,9 +94,7 @@ def _align_small_kernel(
     block_m,
     BLOCK: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl.begin(PDL)
     experts = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for start in range(0, n, BLOCK):
@@ -182,9 +177,7 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl.begin(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -291,7 +284,6 @@ def grouped_gemm(
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl.options(a),
     )
 
 
@@ -316,9 +308,7 @@ def _small_gate_up_gemm_kernel(
     PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl.begin(PDL)
     s = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + s).to(tl.int64)
@@ -363,9 +353,7 @@ def _small_down_gemm_kernel(
     PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl.begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_m = tl.arange(0, 16)
@@ -456,7 +444,6 @@ def small_gate_up(
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl.options(x),
     )
     return a
 
@@ -490,7 +477,6 @@ def small_down(
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl.options(a),
     )
     return out
 
@@ -553,9 +539,7 @@ def _softmax_topk_kernel(
     RENORMALIZE: tl.constexpr,
     ROUND: tl.constexpr,  # (None, or the dtype the weights are rounded through)
     BLOCK_E: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl.begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     mask = offs < num_experts
@@ -623,6 +607,5 @@ def softmax_topk(
         RENORMALIZE=renormalize,
         ROUND=_ROUND[round_to],
         BLOCK_E=triton.next_power_of_2(E),
-        **pdl.options(logits),
     )
     return weights, ids

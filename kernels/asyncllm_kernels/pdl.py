@@ -1,7 +1,6 @@
 """Programmatic dependent launch (PDL) for a decoder layer's kernels of this package, on
 sm_90 and later: the KV cache write, RMSNorm, silu_and_mul, the rotary launch, paged
-attention and its merge, the skinny GEMM and the mixture-of-experts kernels (routing, sort,
-grouped GEMMs; not yet the MLA or bitmask kernels).
+attention and its merge, and the skinny GEMM (not yet the MLA, MoE or bitmask kernels).
 
 In a CUDA graph of a small decode step most kernels last a few microseconds, and the
 time from one kernel's end to the next one's start is a visible share of the step.
