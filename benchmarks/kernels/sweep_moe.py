@@ -124,7 +124,7 @@ def sweep(name: str, E: int, K: int, H: int, inter: int, T: int, quick: bool) ->
 SMALL_TOKENS = (1, 2, 4, 8)
 
 
-def small_configs() -> list[GroupedConfig]:
+def small_candidates() -> list[GroupedConfig]:
     return [
         GroupedConfig(bn, bk, 4, st)
         for bn, bk, st in itertools.product((16, 32), (128, 256, 512), (3, 4, 5))
@@ -174,7 +174,7 @@ def sweep_small(name: str, E: int, K: int, H: int, inter: int, T: int) -> dict:
         default = graph_time_calls_us([lambda i=i, f=call: f(i, None) for i in range(ROUTINGS)])
         ref = call(0, None).float()
         timed: dict[GroupedConfig, float] = {}
-        for cfg in small_configs():
+        for cfg in small_candidates():
             try:
                 out = call(0, cfg).float()
             except OutOfResources:
