@@ -1,5 +1,6 @@
-"""The small-batch GEMM's fused variants, as the decoder layers launch them, compile for
-sm_90 without spilling registers. No GPU is needed: Triton compiles for a named target
+"""The small-batch GEMM's fused variants, as the decoder layers launch them, and the
+mixture-of-experts layer's small-batch GEMMs, at the tiles `small_configs` gives, compile
+for sm_90 without spilling registers. No GPU is needed: Triton compiles for a named target
 with its own ptxas, whose `-v` report gives the registers and the spill stores. (The
 compiling runs in a child process: the CPU suite runs Triton's interpreter, set when a
 kernel module is imported.)
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncllm_kernels.fused_moe import small_configs
 from asyncllm_kernels.skinny_gemm import fused_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,22 +62,47 @@ def launched_variants() -> list[tuple]:
     return sorted(variants)
 
 
-def compile_report(bn, bk, warps, stages, norm, gated, add, m1) -> str:
-    """ptxas -v's report of the kernel compiled for sm_90a, with the alignment the JIT
-    assumes of the layers' tensors (pointers, strides, N and K divisible by 16). Runs
-    without Triton's interpreter."""
+# The mixture-of-experts layer's small-batch GEMMs at 1 and 2+ tokens:
+# (kernel, BLOCK_N, BLOCK_K, warps, stages, TOP_K) for Qwen3-30B-A3B's 8 experts a token
+# and DeepSeek-V2-Lite's 6
+MOE_VARIANTS = sorted(
+    {
+        (kernel, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, top_k)
+        for tokens in (1, 2)
+        for kernel, cfg in zip(
+            ("_small_gate_up_gemm_kernel", "_small_down_gemm_kernel"), small_configs(tokens)
+        )
+        for top_k in (6, 8)
+    }
+)
+_TYPES = {"eps": "fp32", "ids_ptr": "*i64", "weights_ptr": "*fp32"}
+
+
+def compile_report(*variant) -> str:
+    """ptxas -v's report of a variant (a skinny GEMM's or a `MOE_VARIANTS` entry) compiled
+    for sm_90a, with the alignment the JIT assumes of the layers' tensors (pointers,
+    strides, N and K divisible by 16). Runs without Triton's interpreter."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
-    from asyncllm_kernels.skinny_gemm import _skinny_gemm_kernel as kernel
+    import asyncllm_kernels.fused_moe as fused_moe
+    from asyncllm_kernels.skinny_gemm import _skinny_gemm_kernel
 
+    if isinstance(variant[0], str):
+        name, bn, bk, warps, stages, top_k = variant
+        kernel, m1 = getattr(fused_moe, name), False
+        constexprs = dict(BLOCK_N=bn, BLOCK_K=bk, TOP_K=top_k, PRECISION="tf32")
+    else:
+        bn, bk, warps, stages, norm, gated, add, m1 = variant
+        kernel = _skinny_gemm_kernel
+        constexprs = dict(BLOCK_N=bn, BLOCK_K=bk, NORM=norm, GATED=gated, ADD=add, PDL=False)
     params = kernel.params
     signature = {
         p.name: "constexpr"
         if p.is_constexpr or (p.name == "M" and m1)
-        else {"eps": "fp32"}.get(p.name, "*bf16" if "ptr" in p.name else "i32")
+        else _TYPES.get(p.name, "*bf16" if "ptr" in p.name else "i32")
         for p in params
     }
     aligned = [
@@ -83,7 +110,6 @@ def compile_report(bn, bk, warps, stages, norm, gated, add, m1) -> str:
         for i, p in enumerate(params)
         if "ptr" in p.name or p.name.startswith("stride") or p.name in ("N", "K")
     ]
-    constexprs = dict(BLOCK_N=bn, BLOCK_K=bk, NORM=norm, GATED=gated, ADD=add, PDL=False)
     source = ASTSource(
         fn=kernel,
         signature=signature,
@@ -107,7 +133,7 @@ def compile_report(bn, bk, warps, stages, norm, gated, add, m1) -> str:
 
 @pytest.fixture(scope="module")
 def reports() -> dict[tuple, str]:
-    variants = [*launched_variants(), SPILLING]
+    variants = [*launched_variants(), *MOE_VARIANTS, SPILLING]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "kernels"), str(ROOT / "tests" / "kernels")])
     env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-sm90-")
@@ -140,6 +166,11 @@ def test_the_variants_cover_each_fusion_at_m1_and_above():
 
 @pytest.mark.parametrize("variant", launched_variants(), ids=str)
 def test_each_launched_variant_compiles_for_sm90_without_spills(reports, variant):
+    assert spill_stores(reports[variant]) == 0, reports[variant]
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS, ids=str)
+def test_the_moe_small_batch_gemms_compile_for_sm90_without_spills(reports, variant):
     assert spill_stores(reports[variant]) == 0, reports[variant]
 
 
