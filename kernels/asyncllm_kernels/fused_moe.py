@@ -225,6 +225,18 @@ class GroupedConfig:
     num_stages: int = 3
 
 
+def _tile_options(cfg: GroupedConfig, dtype: torch.dtype) -> dict:
+    """A GEMM kernel's launch keywords for its tiles, and its products' precision:
+    float32 in full precision, not TF32 (the reference's)."""
+    return dict(
+        PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
 def grouped_config(n: int, k: int) -> GroupedConfig:
     """The tiles for N output columns and K inputs: 64 along N and 128 along K, or the
     dimension's power of two at least 16 where it is smaller. (On an H100, for both
@@ -277,13 +289,8 @@ def grouped_gemm(
         A_ROW_DIV=a_row_div,
         GATED=gated,
         MUL_WEIGHT=topk_weights is not None,
-        # (float32 products in full precision, not TF32: the reference's)
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **_tile_options(cfg, a.dtype),
     )
 
 
@@ -438,11 +445,7 @@ def small_gate_up(
         w13.stride(1),
         a.stride(0),
         TOP_K=slots // T,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **_tile_options(cfg, x.dtype),
     )
     return a
 
@@ -471,11 +474,7 @@ def small_down(
         w2.stride(1),
         out.stride(0),
         TOP_K=slots // num_tokens,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **_tile_options(cfg, a.dtype),
     )
     return out
 
