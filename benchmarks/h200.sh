@@ -142,7 +142,7 @@ for s in "$@"; do
     profile-gemma3) stage "$s" python3 -m asyncllm.bench.step_profile "${G3[@]}" --batch 1 256 ;;
     latency-moe) stage "$s" python3 -m asyncllm.bench.latency "${MOE[@]}" "${SYNC[@]}" "${BW[@]}" ;;
     throughput-moe) stage "$s" python3 -m asyncllm.bench.throughput "${MOE[@]}" "${SYNC[@]}" ;;
-    profile-moe) stage "$s" python3 -m asyncllm.bench.step_profile "${MOE[@]}" "${SYNC[@]}" --batch 1 256 ;;
+    profile-moe) stage "$s" python3 -m asyncllm.bench.step_profile "${MOE[@]}" "${SYNC[@]}" --batch 1 256 --kernels 30 ;;
     latency-moe8) stage "$s" python3 -m asyncllm.bench.latency "${MOE[@]}" "${SYNC[@]}" "${BW[@]}" --max-num-seqs 8 ;;
     latency-deepseek) stage "$s" python3 -m asyncllm.bench.latency "${DS[@]}" "${SYNC[@]}" "${BW[@]}" ;;
     throughput-deepseek) stage "$s" python3 -m asyncllm.bench.throughput "${DS[@]}" "${SYNC[@]}" ;;

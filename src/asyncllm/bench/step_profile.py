@@ -201,6 +201,7 @@ def profile_batch(
     structured: bool = False,
     mixed: int = 0,
     rates: Any = None,
+    top_kernels: int = 8,
 ) -> dict[str, Any]:
     """One row: `batch` requests decoding after prompts of `input_len`; with `mixed`,
     every timed step also prefills a new request of that many tokens."""
@@ -314,11 +315,14 @@ def profile_batch(
             if e.get("ph") == "X" and e.get("cat") == "kernel"
         ]
         per_kernel: dict[str, float] = defaultdict(float)
+        launches: dict[str, int] = defaultdict(int)
         for name, us in kernels:
             per_kernel[name[:60]] += us
+            launches[name[:60]] += 1
         row["gpu"] = sum(per_kernel.values())
-        top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]
-        row["kernels"] = {name: round(us, 1) for name, us in top}
+        top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top_kernels]
+        # (µs and launches a step)
+        row["kernels"] = {name: [round(us, 1), launches[name] / kept] for name, us in top}
         row["classes"] = class_times(kernels)
         if rates is not None and planned:
             # (the floors of the steps the trace kept: the last ones)
@@ -396,6 +400,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--cprofile", help="write cProfile stats of the timed steps here")
     parser.add_argument("--trace-dir", help="write each batch's torch.profiler trace here")
     parser.add_argument(
+        "--kernels", type=int, default=8, help="list this many kernels of each row, longest first"
+    )
+    parser.add_argument(
         "--inline-frontend",
         action="store_true",
         help="time LLMEngine.step (the frontend on the core's thread) instead of the core's",
@@ -439,6 +446,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 args.structured,
                 args.mixed,
                 rates,
+                args.kernels,
             )
             for n in args.input_len
             for b in args.batch
@@ -475,8 +483,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 f"a step, {100 * gaps['between_frac']:.2f}% of the time; idle in all "
                 f"{100 * gaps['idle_frac']:.2f}% (over {gaps['steps']} steps of the trace)"
             )
-        for name, us in r["kernels"].items():
-            print(f"  batch {r['batch']}: {us:>8.1f} µs  {name}")
+        for name, (us, n) in r["kernels"].items():
+            print(f"  batch {r['batch']}: {us:>8.1f} µs {n:>6.1f} launches  {name}")
     print_classes(rows)
     print(json.dumps(result))
     return result

@@ -186,6 +186,12 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
 
+class ReplicatedLinear(LinearBase):
+    """Y = X A with the whole of A on every rank (a mixture-of-experts router): the
+    skinny GEMM kernel at the small batches of the shapes it is tuned for, as the
+    sharded layers."""
+
+
 class ColumnParallelLinear(LinearBase):
     """Y = X A with A split along its output dimension; each rank holds a slice of Y."""
 

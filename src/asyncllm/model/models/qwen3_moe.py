@@ -21,6 +21,7 @@ from asyncllm.config import num_experts
 from asyncllm.distributed.parallel_state import get_tp_group
 from asyncllm.model.attention.backend import AttentionBackend
 from asyncllm.model.layers.fused_moe import FusedMoE, load_expert_weights
+from asyncllm.model.layers.linear import ReplicatedLinear
 from asyncllm.model.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel, Qwen3ForCausalLM
 
 
@@ -37,7 +38,7 @@ def is_sparse_layer(config: Any, layer: int) -> bool:
 class Qwen3MoeSparseBlock(nn.Module):
     def __init__(self, config: Any):
         super().__init__()
-        self.gate = nn.Linear(config.hidden_size, num_experts(config), bias=False)
+        self.gate = ReplicatedLinear(config.hidden_size, num_experts(config), bias=False)
         self.experts = FusedMoE(
             num_experts=num_experts(config),
             top_k=int(config.num_experts_per_tok),
