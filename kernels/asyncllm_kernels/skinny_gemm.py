@@ -173,9 +173,8 @@ def skinny_gemm(
 
 # (N, K) -> ((largest M, config), ...) in increasing M: where a config beat cuBLAS on an
 # H200, or where noted an H100 (bf16, benchmarks/kernels/sweep_skinny_gemm.py,
-# docs/benchmarks.md). M=1 compiles
-# its own kernel (Triton specializes an argument equal to 1), hence its own entries.
-# Shapes and M not listed here use cuBLAS.
+# docs/benchmarks.md). M=1 compiles its own kernel (Triton specializes an argument equal
+# to 1), hence its own entries. Shapes and M not listed here use cuBLAS.
 _M1 = SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=3)
 TUNED: dict[tuple[int, int], tuple[tuple[int, SkinnyConfig], ...]] = {
     # Llama-3.1-8B o_proj: 11.8 / 12.2 us against cuBLAS's 13.5 (M = 1 / 2-16)

@@ -187,9 +187,9 @@ class LinearBase(nn.Module):
 
 
 class ReplicatedLinear(LinearBase):
-    """Y = X A with the whole of A on every rank (a mixture-of-experts router): the
-    skinny GEMM kernel at the small batches of the shapes it is tuned for, as the
-    sharded layers."""
+    """Y = X A with the whole of A on every rank (a mixture-of-experts router). Like the
+    sharded layers, it runs on the skinny GEMM kernel at the small batches of a shape
+    tuned for it."""
 
 
 class ColumnParallelLinear(LinearBase):
