@@ -99,6 +99,9 @@ for s in "$@"; do
     # one ending in -pdl with the Triton kernels under programmatic dependent launch,
     export ASYNCLLM_PDL=0
     case $t in *-pdl) export ASYNCLLM_PDL=1; t=${t%-pdl} ;; esac
+    # one ending in -routed with a few tokens routed inside the MoE gate/up GEMM,
+    export ASYNCLLM_MOE_ROUTED=0
+    case $t in *-routed) export ASYNCLLM_MOE_ROUTED=1; t=${t%-routed} ;; esac
     case $t in *-fi) SYNC+=(--attention-backend flashinfer); t=${t%-fi} ;; esac
     # one ending in -fa on FlashAttention 4,
     case $t in *-fa) SYNC+=(--attention-backend flash_attn); t=${t%-fa} ;; esac

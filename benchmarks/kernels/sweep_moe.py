@@ -7,7 +7,9 @@ COPY_BW), the default's time and the best config's, and the whole layer (`fused_
 sort, both GEMMs, the sum).
 
 With --small, the small-batch path instead (`fused_moe_small`: no sort, two launches) at
-1-8 tokens: the layer both ways, then each of its GEMMs under every config.
+1-8 tokens: the layer both ways, and from the router's logits (the routing kernel then
+the small path, against `fused_moe_routed`, which routes inside the gate/up GEMM), then
+each of its GEMMs under every config.
 
     PYTHONPATH=src:kernels python3 benchmarks/kernels/sweep_moe.py [--quick | --small]
 """
@@ -27,11 +29,13 @@ from asyncllm_kernels.fused_moe import (
     align_slots_by_expert,
     block_m_for,
     fused_moe,
+    fused_moe_routed,
     fused_moe_small,
     fused_moe_sorted,
     grouped_gemm,
     small_down,
     small_gate_up,
+    softmax_topk,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -158,10 +162,29 @@ def sweep_small(name: str, E: int, K: int, H: int, inter: int, T: int) -> dict:
         path: graph_time_calls_us([lambda s=s, f=f: f(s[0], w13, w2, s[1], s[2]) for s in sets])
         for path, f in (("sorted", fused_moe_sorted), ("small", fused_moe_small))
     }
+    logits = [torch.randn(T, E, device=dev, dtype=torch.bfloat16) for _ in sets]
+
+    def route_then_small(i: int) -> torch.Tensor:
+        weights, ids = softmax_topk(logits[i], K, True, round_to=torch.bfloat16)
+        return fused_moe_small(sets[i][0], w13, w2, weights, ids)
+
+    def routed_inside(i: int, by_rank: bool = True) -> torch.Tensor:
+        return fused_moe_routed(
+            sets[i][0], w13, w2, logits[i], K, True, round_to=torch.bfloat16, by_rank=by_rank
+        )
+
+    def routed_by_loop(i: int) -> torch.Tensor:
+        return routed_inside(i, by_rank=False)
+
+    routed_paths = ("routing+small", "routed", "routed-loop")
+    if T <= 4:
+        for path, f in zip(routed_paths, (route_then_small, routed_inside, routed_by_loop)):
+            layer[path] = graph_time_calls_us([lambda i=i, f=f: f(i) for i in range(ROUTINGS)])
     print(
         f"{name} T={T}: {routed:5.1f} experts routed, floor {floor:6.1f} us, the layer "
         f"sorted {layer['sorted']:6.1f} us ({floor / layer['sorted']:4.2f}), "
-        f"small {layer['small']:6.1f} us ({floor / layer['small']:4.2f})",
+        f"small {layer['small']:6.1f} us ({floor / layer['small']:4.2f})"
+        + "".join(f", {p} {layer[p]:6.1f} us" for p in routed_paths if p in layer),
         flush=True,
     )
     row: dict = dict(shape=name, tokens=T, experts_routed=routed, floor_us=floor, layer_us=layer)

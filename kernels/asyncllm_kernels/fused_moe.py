@@ -22,7 +22,9 @@ their expert's id and stream its weight rows (the skinny GEMM's form: one row pa
 16 for `tl.dot`), the routing weight is applied in the gate/up epilogue (a[s] =
 weight[s] * silu(gate) * up, the same sum by linearity), and each down program walks
 its token's K experts in one loop into one accumulator, so the sum over experts needs no
-launch or store of its own: two launches.
+launch or store of its own: two launches. Given the router's logits (`fused_moe_routed`)
+the gate/up programs also route their token themselves (`_top_experts`, the routing
+kernel's own steps), and the routing launch goes too.
 
 The sort runs on the device with fixed-size outputs (no host sync), so a step can be
 captured in a CUDA graph. `reference.fused_moe_ref` is the same in plain torch, expert
@@ -303,22 +305,51 @@ def _small_gate_up_gemm_kernel(
     x_ptr,  # [T, K]
     w_ptr,  # [E, 2N, K]: gate rows then up rows
     a_ptr,  # [T * TOP_K, N]
-    ids_ptr,  # [T * TOP_K]
-    weights_ptr,  # [T * TOP_K]
+    ids_ptr,  # [T * TOP_K]: read, or with ROUTE written
+    weights_ptr,  # [T * TOP_K] (unused with ROUTE)
+    logits_ptr,  # [T, num_experts] with ROUTE (the router's output), else unused
     N,
     K,
+    num_experts,
     stride_xm,
     stride_we,
     stride_wn,
     stride_am,
+    stride_l,
+    scaling,
     TOP_K: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ROUTE: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    ROUND: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BY_RANK: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
-    expert = tl.load(ids_ptr + s).to(tl.int64)
+    if ROUTE:
+        # Every program of the slot's token routes it (a few microseconds' launch less
+        # than a routing kernel); the first column tile's programs keep the ids for down.
+        ids, weights = _top_experts(
+            logits_ptr + (s // TOP_K) * stride_l,
+            num_experts,
+            scaling,
+            TOP_K,
+            RENORMALIZE,
+            ROUND,
+            BLOCK_E,
+            BY_RANK,
+        )
+        choice = tl.arange(0, triton.next_power_of_2(TOP_K)) == s % TOP_K
+        expert = tl.sum(tl.where(choice, ids, 0)).to(tl.int64)
+        weight = tl.sum(tl.where(choice, weights, 0.0))
+        if pid_n == 0:
+            tl.store(ids_ptr + s, expert)
+    else:
+        expert = tl.load(ids_ptr + s).to(tl.int64)
+        weight = tl.load(weights_ptr + s).to(tl.float32)
     offs_m = tl.arange(0, 16)  # (row 0 is the slot's token; 1-15 pad the dot)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -340,7 +371,7 @@ def _small_gate_up_gemm_kernel(
         w_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
     g = tl.sum(gate, axis=0)  # (the padding rows are zeros)
-    a = g / (1.0 + tl.exp(-g)) * tl.sum(up, axis=0) * tl.load(weights_ptr + s).to(tl.float32)
+    a = g / (1.0 + tl.exp(-g)) * tl.sum(up, axis=0) * weight
     tl.store(a_ptr + s * stride_am + offs_n, a.to(a_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -423,31 +454,85 @@ def fused_moe_small(
     return small_down(a, w2, ids, x.shape[0], down)
 
 
+@dataclass(frozen=True)
+class Route:
+    """The router's logits [T, E] and `softmax_topk`'s other arguments, for a gate/up
+    launch that routes its tokens itself."""
+
+    logits: torch.Tensor
+    renormalize: bool
+    scaling: float = 1.0
+    round_to: torch.dtype | None = None
+    by_rank: bool = True  # (`_top_experts`' ranking in one pass, or its loop over slots)
+
+
+def fused_moe_routed(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    scaling: float = 1.0,
+    round_to: torch.dtype | None = None,
+    by_rank: bool = True,
+) -> torch.Tensor:
+    """`fused_moe` of the routing `softmax_topk(router_logits, top_k, renormalize,
+    scaling, round_to)` gives. Up to `SMALL_BATCH_TOKENS` tokens the gate/up GEMM's
+    programs route their tokens themselves: two launches in all."""
+    T = x.shape[0]
+    if not 1 <= T <= SMALL_BATCH_TOKENS:
+        weights, ids = softmax_topk(router_logits, top_k, renormalize, scaling, round_to)
+        return fused_moe(x, w13, w2, weights, ids)
+    _check_routing(router_logits, top_k, round_to)
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    x = x.contiguous()
+    ids = torch.empty(T * top_k, dtype=torch.int64, device=x.device)
+    gate_up, down = small_configs(T)
+    a = small_gate_up(
+        x, w13, ids, None, gate_up, Route(logits, renormalize, scaling, round_to, by_rank)
+    )
+    return small_down(a, w2, ids, T, down)
+
+
 def small_gate_up(
     x: torch.Tensor,
     w13: torch.Tensor,
     ids: torch.Tensor,
-    weights: torch.Tensor,
+    weights: torch.Tensor | None,
     config: GroupedConfig | None = None,
+    route: Route | None = None,
 ) -> torch.Tensor:
     """a [T * K, I]: weights[s] * silu(x[s // K] @ gate[e].T) * (x[s // K] @ up[e].T) for
-    each slot s and its expert e = ids[s] (ids and weights: [T * K], contiguous)."""
+    each slot s and its expert e = ids[s] (ids and weights: [T * K], contiguous). With
+    `route`, the ids and weights are the routing's (`softmax_topk`'s [T, K], flattened),
+    and the ids are written into `ids`; `weights` is not read."""
     (T, H), slots, inter = x.shape, ids.numel(), w13.shape[1] // 2
     cfg = config or small_configs(T)[0]
     a = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
+    logits = route.logits if route is not None else x
     _small_gate_up_gemm_kernel[(slots, triton.cdiv(inter, cfg.block_n))](
         x,
         w13,
         a,
         ids,
-        weights,
+        weights if weights is not None else ids,
+        logits,
         inter,
         H,
+        logits.shape[1],
         x.stride(0),
         w13.stride(0),
         w13.stride(1),
         a.stride(0),
+        logits.stride(0),
+        float(route.scaling) if route is not None else 1.0,
         TOP_K=slots // T,
+        ROUTE=route is not None,
+        RENORMALIZE=route is not None and route.renormalize,
+        ROUND=_ROUND[route.round_to] if route is not None else None,
+        BLOCK_E=triton.next_power_of_2(logits.shape[1]),
+        BY_RANK=route is not None and route.by_rank,
         **_tile_options(cfg, x.dtype),
     )
     return a
@@ -529,6 +614,61 @@ def fused_moe_sorted(
 
 
 @triton.jit
+def _top_experts(
+    logits_ptr,  # one token's [num_experts] logits
+    num_experts,
+    scaling,
+    K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    ROUND: tl.constexpr,  # (None, or the dtype the weights are rounded through)
+    BLOCK_E: tl.constexpr,
+    BY_RANK: tl.constexpr = False,
+):
+    """(ids, weights), each [next_power_of_2(K)] (entries past K are 0): `softmax_topk`
+    for one token."""
+    offs = tl.arange(0, BLOCK_E)
+    mask = offs < num_experts
+    x = tl.load(logits_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    # A NaN (from a NaN or infinite logit) ranks as probability 0, so that every row gets
+    # K distinct experts in range whatever its logits; padding ranks below any expert,
+    # and a chosen expert below that.
+    p = tl.where(p == p, p, 0.0)
+    p = tl.where(mask, p, -1.0)
+    slots = tl.arange(0, triton.next_power_of_2(K))
+    if BY_RANK:
+        # Each expert's rank in one pass: how many experts come before it (a higher
+        # probability, or an equal one and a lower id); slot k takes the expert of rank k.
+        # Three reductions where the loop below takes two for each of the K slots.
+        p_j, p_i = tl.expand_dims(p, 0), tl.expand_dims(p, 1)
+        j_before_i = tl.expand_dims(offs, 0) < tl.expand_dims(offs, 1)
+        rank = tl.sum(((p_j > p_i) | ((p_j == p_i) & j_before_i)).to(tl.int32), axis=1)
+        slot = tl.expand_dims(slots, 0)
+        pick = (tl.expand_dims(rank, 1) == slot) & (slot < K)  # [BLOCK_E, K]
+        ids = tl.sum(tl.where(pick, tl.expand_dims(offs, 1), 0), axis=0)
+        weights = tl.sum(tl.where(pick, tl.expand_dims(p, 1), 0.0), axis=0)
+        total = tl.sum(weights, axis=0)
+    else:
+        ids = tl.zeros([triton.next_power_of_2(K)], dtype=tl.int32)
+        weights = tl.zeros([triton.next_power_of_2(K)], dtype=tl.float32)
+        total = 0.0
+        for k in tl.static_range(K):
+            best = tl.max(p, axis=0)
+            idx = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)  # (the lowest on a tie)
+            ids = tl.where(slots == k, idx, ids)
+            weights = tl.where(slots == k, best, weights)
+            total += best
+            p = tl.where(offs == idx, -2.0, p)
+    if RENORMALIZE:
+        weights = weights / total
+    weights = weights * scaling
+    if ROUND is not None:
+        weights = weights.to(ROUND).to(tl.float32)
+    return ids, weights
+
+
+@triton.jit
 def _softmax_topk_kernel(
     logits_ptr,  # [T, E]
     weights_ptr,  # [T, K] float32
@@ -538,40 +678,27 @@ def _softmax_topk_kernel(
     scaling,
     K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
-    ROUND: tl.constexpr,  # (None, or the dtype the weights are rounded through)
+    ROUND: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_E)
-    mask = offs < num_experts
-    x = tl.load(logits_ptr + t * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
-    p = tl.exp(x - tl.max(x, axis=0))
-    p = p / tl.sum(p, axis=0)
-    # A NaN (from a NaN or infinite logit) ranks as probability 0, so that every row gets
-    # K distinct experts in range whatever its logits; padding ranks below any expert,
-    # and a chosen expert below that.
-    p = tl.where(p == p, p, 0.0)
-    p = tl.where(mask, p, -1.0)
-    total = 0.0
-    for k in tl.static_range(K):
-        best = tl.max(p, axis=0)
-        idx = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)  # (the lowest on a tie)
-        tl.store(ids_ptr + t * K + k, idx.to(tl.int64))
-        tl.store(weights_ptr + t * K + k, best)
-        total += best
-        p = tl.where(offs == idx, -2.0, p)
-    if RENORMALIZE or scaling != 1.0 or ROUND is not None:
-        for k in tl.static_range(K):
-            w = tl.load(weights_ptr + t * K + k)
-            if RENORMALIZE:
-                w = w / total
-            w = w * scaling
-            if ROUND is not None:
-                w = w.to(ROUND).to(tl.float32)
-            tl.store(weights_ptr + t * K + k, w)
+    ids, weights = _top_experts(
+        logits_ptr + t * stride_l, num_experts, scaling, K, RENORMALIZE, ROUND, BLOCK_E
+    )
+    slots = tl.arange(0, triton.next_power_of_2(K))
+    tl.store(ids_ptr + t * K + slots, ids.to(tl.int64), mask=slots < K)
+    tl.store(weights_ptr + t * K + slots, weights, mask=slots < K)
 
 
 _ROUND = {None: None, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _check_routing(router_logits: torch.Tensor, top_k: int, round_to: torch.dtype | None) -> None:
+    if round_to not in _ROUND:
+        raise ValueError(f"round_to must be bfloat16, float16 or None, got {round_to}")
+    E = router_logits.shape[-1]
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k must be between 1 and the {E} experts, got {top_k}")
 
 
 def softmax_topk(
@@ -587,11 +714,8 @@ def softmax_topk(
     given; one launch (torch's softmax, topk, scaling and casts take three or more). A
     row with a NaN or an infinite logit still gets k distinct experts in range (its
     NaN probabilities rank as 0)."""
-    if round_to not in _ROUND:
-        raise ValueError(f"round_to must be bfloat16, float16 or None, got {round_to}")
+    _check_routing(router_logits, top_k, round_to)
     T, E = router_logits.shape
-    if not 1 <= top_k <= E:
-        raise ValueError(f"top_k must be between 1 and the {E} experts, got {top_k}")
     weights = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
     if T == 0:

@@ -42,6 +42,9 @@ so a test or a host that sets a variable before starting an engine is heard.
 - `ASYNCLLM_PDL`: `1` launches a decoder layer's Triton kernels on sm_90 and later GPUs with
   programmatic dependent launch, so that in a CUDA graph each one's programs are placed
   while the previous kernel's last ones run (asyncllm_kernels/pdl.py; default `0`).
+- `ASYNCLLM_MOE_ROUTED`: `1` has a mixture-of-experts layer on CUDA route a step of up
+  to 4 tokens inside its experts' gate/up GEMM (`fused_moe_routed`: one launch less a
+  layer) instead of in a routing launch of its own (default `0` until measured on a GPU).
 - `ASYNCLLM_WORKER_START_TIMEOUT_S`: how long the multiprocess (or Ray) executor waits for
   every worker to build its model before the start fails, naming the ranks not ready (a
   rendezvous that never completes, a stalled load; default `900`).
@@ -69,6 +72,7 @@ VARIABLES = (
     "ASYNCLLM_FUSED_KV_WRITE",
     "ASYNCLLM_FUSED_GEMM",
     "ASYNCLLM_PDL",
+    "ASYNCLLM_MOE_ROUTED",
 )
 PP_LAYER_PARTITION = "ASYNCLLM_PP_LAYER_PARTITION"
 
@@ -115,6 +119,12 @@ def pdl_launch() -> bool:
     """Whether asyncllm's Triton kernels are launched with programmatic dependent launch
     ($ASYNCLLM_PDL, default 0)."""
     return _switch("ASYNCLLM_PDL", "0")
+
+
+def moe_routed() -> bool:
+    """Whether a mixture-of-experts layer on CUDA routes a few tokens inside its gate/up
+    GEMM ($ASYNCLLM_MOE_ROUTED, default 0)."""
+    return _switch("ASYNCLLM_MOE_ROUTED", "0")
 
 
 def log_level() -> str:

@@ -13,6 +13,7 @@ from asyncllm_kernels.fused_moe import (
     align_slots_by_expert,
     align_slots_by_expert_torch,
     fused_moe,
+    fused_moe_routed,
     fused_moe_small,
     fused_moe_sorted,
     grouped_gemm,
@@ -23,6 +24,8 @@ from asyncllm_kernels.reference import fused_moe_ref
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (the interpreter has no bfloat16)
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+# (and it rounds through float16 on CPU where the GPU rounds through bfloat16)
+HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
 
 
 def test_the_sort_groups_each_experts_slots_in_padded_blocks():
@@ -105,6 +108,58 @@ def test_the_small_batch_path_equals_the_sorted_one_and_the_reference(tiles, T, 
     assert torch.allclose(fused_moe_sorted(x, w13, w2, weights, ids), want, rtol=1e-4, atol=1e-5)
 
 
+ROUTINGS = [(False, 1.0, None), (True, 1.0, None), (False, 2.5, None), (True, 1.0, HALF)]
+
+
+@pytest.mark.parametrize("T", [1, 3, 4, 6])
+@pytest.mark.parametrize("renormalize,scaling,round_to", ROUTINGS)
+@pytest.mark.parametrize("by_rank", [True, False])
+def test_routing_inside_the_gemm_equals_the_routing_kernel_then_the_layer(
+    T, renormalize, scaling, round_to, by_rank
+):
+    """`fused_moe_routed`: up to SMALL_BATCH_TOKENS tokens the gate/up programs route
+    their tokens themselves; past it (6) the routing kernel runs, then the sorted path.
+    Either way the layer of `softmax_topk`'s routing. The logits are strided (a view) and
+    E is off a power of two. Both ways of ranking the experts."""
+    _check_routed(T, renormalize, scaling, round_to, torch.float32, by_rank=by_rank)
+
+
+@pytest.mark.parametrize("by_rank", [True, False])
+def test_routing_inside_the_gemm_breaks_ties_and_nans_as_the_routing_kernel(by_rank):
+    """Rows of equal logits (the lowest ids win), of NaN and of infinities route as
+    `softmax_topk` routes them (not renormalised: the last two rows' weights are 0)."""
+    T, E = 4, 10
+    logits = torch.randn(T, E)
+    logits[0] = 0.5
+    logits[1, 3] = float("nan")
+    logits[2, 4:7] = float("inf")
+    logits[3, 2:8] = 1.0
+    _check_routed(T, False, 1.0, None, torch.float32, logits=logits.to(DEVICE), by_rank=by_rank)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_routing_inside_the_gemm_rounds_through_bfloat16_on_cuda(T):
+    _check_routed(T, True, 1.0, torch.bfloat16, torch.bfloat16)
+
+
+def _check_routed(T, renormalize, scaling, round_to, dtype, logits=None, by_rank=True):
+    E, K, H, inter = 10, 3, 48, 40
+    x, w13, w2, _, _ = _layer(T, E, K, H, inter, dtype, seed=T)
+    if logits is None:
+        g = torch.Generator().manual_seed(T + 100)
+        logits = torch.randn(T, 2 * E, generator=g).to(DEVICE)[:, ::2]
+    weights, ids = softmax_topk(logits, K, renormalize, scaling, round_to)
+    got = fused_moe_routed(x, w13, w2, logits, K, renormalize, scaling, round_to, by_rank)
+    want = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids)
+    assert got.shape == (T, H) and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert ((got.float() - want).norm() / want.norm()).item() <= tol
+    close = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+    assert torch.allclose(got, fused_moe(x, w13, w2, weights, ids), **close)
+
+
 @pytest.mark.parametrize("config", [None, GroupedConfig(16, 32, 4, 3), GroupedConfig(32, 16, 2, 2)])
 def test_the_gated_grouped_gemm_writes_silu_of_gate_times_up(config):
     T, E, K, H, inter = 3, 4, 2, 40, 24  # (H and inter off the tiles)
@@ -132,10 +187,6 @@ def test_the_one_program_sort_equals_the_torch_one(T, K, E, block_m):
     want = align_slots_by_expert_torch(ids, E, block_m)
     for g_, w_ in zip(got, want, strict=True):
         assert g_.dtype == w_.dtype and torch.equal(g_, w_)
-
-
-# (the interpreter has no bfloat16: it rounds through float16 on CPU)
-HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
 
 
 @pytest.mark.parametrize(

@@ -64,7 +64,7 @@ def launched_variants() -> list[tuple]:
 
 # The mixture-of-experts layer's small-batch GEMMs at 1, 2 and 4 tokens:
 # (kernel, BLOCK_N, BLOCK_K, warps, stages, TOP_K) for Qwen3-30B-A3B's 8 experts a token
-# and DeepSeek-V2-Lite's 6
+# of 128 and DeepSeek-V2-Lite's 6 of 64
 MOE_VARIANTS = sorted(
     {
         (kernel, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, top_k)
@@ -75,7 +75,7 @@ MOE_VARIANTS = sorted(
         for top_k in (6, 8)
     }
 )
-_TYPES = {"eps": "fp32", "ids_ptr": "*i64", "weights_ptr": "*fp32"}
+_TYPES = {"eps": "fp32", "scaling": "fp32", "ids_ptr": "*i64", "weights_ptr": "*fp32"}
 
 
 def compile_report(*variant) -> str:
@@ -83,6 +83,7 @@ def compile_report(*variant) -> str:
     for sm_90a, with the alignment the JIT assumes of the layers' tensors (pointers,
     strides, N and K divisible by 16). Runs without Triton's interpreter."""
     import triton
+    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
@@ -94,6 +95,9 @@ def compile_report(*variant) -> str:
         name, bn, bk, warps, stages, top_k = variant
         kernel, m1 = getattr(fused_moe, name), False
         constexprs = dict(BLOCK_N=bn, BLOCK_K=bk, TOP_K=top_k, PRECISION="tf32")
+        if name == "_small_gate_up_gemm_kernel":  # (routing its tokens, as the layers launch it)
+            constexprs.update(ROUTE=True, RENORMALIZE=True, ROUND=tl.bfloat16)
+            constexprs.update(BLOCK_E=128 if top_k == 8 else 64, BY_RANK=True)
     else:
         bn, bk, warps, stages, norm, gated, add, m1 = variant
         kernel = _skinny_gemm_kernel

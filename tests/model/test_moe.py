@@ -86,3 +86,26 @@ def test_routing_and_bad_expert_weights():
         moe.load_expert(1, "w3", torch.zeros(6, 8))
     with pytest.raises(ValueError, match="top_k must be in"):
         FusedMoE(num_experts=4, top_k=5, hidden_size=8, intermediate_size=6, renormalize=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 4, 9])
+def test_routing_inside_the_gemm_gives_the_layer_its_routing_kernel_gives(monkeypatch, tokens):
+    """ASYNCLLM_MOE_ROUTED=1 (up to 4 tokens, the gate/up programs route their tokens;
+    past it the routing kernel runs) against the default path, Qwen3-30B-A3B's routing
+    (128 experts, 8 per token, renormalised, weights rounded to bf16)."""
+    torch.manual_seed(tokens)
+    layers = {}
+    for routed in ("0", "1"):
+        monkeypatch.setenv("ASYNCLLM_MOE_ROUTED", routed)
+        layers[routed] = FusedMoE(128, 8, 256, 64, renormalize=True).cuda().bfloat16()
+    assert layers["1"].route_in_gemm and not layers["0"].route_in_gemm
+    with torch.no_grad():
+        for w in ("w13_weight", "w2_weight"):
+            getattr(layers["0"], w).normal_(std=0.05)
+            getattr(layers["1"], w).copy_(getattr(layers["0"], w))
+    x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(tokens, 128, device="cuda", dtype=torch.bfloat16)
+    want, got = layers["0"](x, logits).float(), layers["1"](x, logits).float()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2

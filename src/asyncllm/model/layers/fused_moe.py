@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncllm import envs
 from asyncllm_kernels.reference import fused_moe_ref
 
 
@@ -25,24 +26,31 @@ def select_experts(
     top_k: int,
     renormalize: bool,
     round_to: torch.dtype | None = None,
+    scaling: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k]): the k highest softmax scores of each
-    token, renormalised to sum to 1 when asked (Qwen3-MoE's `norm_topk_prob`), rounded
-    through `round_to` when given (a half type: the activations'). On CUDA one Triton
-    launch (`asyncllm_kernels.fused_moe.softmax_topk`)."""
-    if round_to not in (torch.bfloat16, torch.float16):
-        round_to = None  # (float32 weights already round to float32 or wider)
+    token, renormalised to sum to 1 when asked (Qwen3-MoE's `norm_topk_prob`), times
+    `scaling`, rounded through `round_to` when given (a half type: the activations'). On
+    CUDA one Triton launch (`asyncllm_kernels.fused_moe.softmax_topk`)."""
+    round_to = _half_or_none(round_to)
     if router_logits.is_cuda:
         from asyncllm_kernels.fused_moe import softmax_topk  # (imports triton)
 
-        return softmax_topk(router_logits, top_k, renormalize, round_to=round_to)
+        return softmax_topk(router_logits, top_k, renormalize, scaling, round_to)
     scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(scores, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scaling != 1.0:
+        weights = weights * scaling
     if round_to is not None:
         weights = weights.to(round_to).float()
     return weights, ids
+
+
+def _half_or_none(dtype: torch.dtype | None) -> torch.dtype | None:
+    # (float32 weights already round to float32 or wider)
+    return dtype if dtype in (torch.bfloat16, torch.float16) else None
 
 
 def select_experts_grouped(
@@ -56,19 +64,16 @@ def select_experts_grouped(
     softmax scores ("greedy"); with `num_groups`, only among the experts of the
     `topk_groups` groups whose best expert scores highest ("group_limited_greedy"); the
     weights multiplied by `scaling` (`routed_scaling_factor`), not renormalised."""
-    if not num_groups and router_logits.is_cuda:
-        from asyncllm_kernels.fused_moe import softmax_topk  # (imports triton)
-
-        return softmax_topk(router_logits, top_k, False, scaling)
+    if not num_groups:
+        return select_experts(router_logits.float(), top_k, False, scaling=scaling)
+    if not topk_groups:
+        raise ValueError("group-limited routing needs topk_group")
     scores = torch.softmax(router_logits.float(), dim=-1)
-    if num_groups:
-        if not topk_groups:
-            raise ValueError("group-limited routing needs topk_group")
-        T, E = scores.shape
-        best = scores.view(T, num_groups, E // num_groups).amax(dim=-1)
-        chosen = torch.topk(best, topk_groups, dim=-1).indices
-        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, chosen, True)
-        scores = scores.masked_fill(~keep.repeat_interleave(E // num_groups, dim=1), 0.0)
+    T, E = scores.shape
+    best = scores.view(T, num_groups, E // num_groups).amax(dim=-1)
+    chosen = torch.topk(best, topk_groups, dim=-1).indices
+    keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, chosen, True)
+    scores = scores.masked_fill(~keep.repeat_interleave(E // num_groups, dim=1), 0.0)
     weights, ids = torch.topk(scores, top_k, dim=-1)
     return (weights * scaling if scaling != 1.0 else weights), ids
 
@@ -112,9 +117,11 @@ class FusedMoE(nn.Module):
         intermediate_size: int,
         renormalize: bool,
         round_weights: bool = True,
+        scaling: float = 1.0,
     ) -> None:
         """`round_weights`: the routing weights are rounded to the activations' dtype
-        before use (Qwen3-MoE's reference does; DeepSeek's keeps them float32)."""
+        before use (Qwen3-MoE's reference does; DeepSeek's keeps them float32).
+        `scaling`: the routing weights' factor (DeepSeek's `routed_scaling_factor`)."""
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
@@ -122,6 +129,8 @@ class FusedMoE(nn.Module):
         self.intermediate_size = intermediate_size
         self.renormalize = renormalize
         self.round_weights = round_weights
+        self.scaling = scaling
+        self.route_in_gemm = envs.moe_routed()
         self.w13_weight = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
         )
@@ -153,9 +162,20 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Routes by softmax top-k (`select_experts`, the weights rounded to x's dtype
-        with `round_weights`), then `apply_experts`."""
-        round_to = x.dtype if self.round_weights else None
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize, round_to)
+        with `round_weights`), then `apply_experts`. On CUDA with ASYNCLLM_MOE_ROUTED=1
+        one call of `fused_moe_routed`, which at a few tokens routes inside the experts'
+        first GEMM."""
+        round_to = _half_or_none(x.dtype if self.round_weights else None)
+        if x.is_cuda and self.route_in_gemm:
+            from asyncllm_kernels.fused_moe import fused_moe_routed  # (imports triton)
+
+            w13, w2, k = self.w13_weight, self.w2_weight, self.top_k
+            return fused_moe_routed(
+                x, w13, w2, router_logits, k, self.renormalize, self.scaling, round_to
+            )
+        weights, ids = select_experts(
+            router_logits, self.top_k, self.renormalize, round_to, self.scaling
+        )
         return self.apply_experts(x, weights, ids)
 
     def apply_experts(

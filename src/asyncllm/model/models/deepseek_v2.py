@@ -143,6 +143,7 @@ class DeepseekV2MoE(nn.Module):
             intermediate_size=int(config.moe_intermediate_size),
             renormalize=False,
             round_weights=False,
+            scaling=self.scaling,
         )
         shared = int(getattr(config, "n_shared_experts", 0) or 0)
         self.shared_experts = (
@@ -151,14 +152,13 @@ class DeepseekV2MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate.weight)
-        weights, ids = select_experts_grouped(
-            logits,
-            self.experts.top_k,
-            self.num_groups if self.grouped else None,
-            self.topk_groups,
-            self.scaling,
-        )
-        out = self.experts.apply_experts(x, weights, ids)
+        if self.grouped:
+            weights, ids = select_experts_grouped(
+                logits, self.experts.top_k, self.num_groups, self.topk_groups, self.scaling
+            )
+            out = self.experts.apply_experts(x, weights, ids)
+        else:
+            out = self.experts(x, logits)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
