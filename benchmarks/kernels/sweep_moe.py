@@ -130,10 +130,16 @@ SMALL_TOKENS = (1, 2, 4, 8)
 
 def small_candidates(gemm: str) -> list[GroupedConfig]:
     if gemm == "down":  # (deeper pipelines too: 8 stages won at two tokens)
-        return [
+        dot = [
             GroupedConfig(bn, bk, 4, st)
             for bn, bk, st in itertools.product((16, 32), (256, 512), (4, 5, 6, 8))
         ]
+        # Fewer than 16 rows a program: every expert's tile in one load, no tl.dot and no
+        # software pipeline (its stages do not matter); the register-bound ones left out
+        # (sm_90a: at most about 180 registers, no spills).
+        rows = [(1, 256, 2), (1, 512, 4), (2, 128, 4), (2, 256, 4), (2, 256, 8), (2, 512, 8)]
+        rows += [(4, 128, 4), (4, 256, 4), (4, 256, 8), (4, 512, 8), (8, 128, 4), (8, 256, 8)]
+        return dot + [GroupedConfig(bn, bk, w, 1) for bn, bk, w in rows]
     return [
         GroupedConfig(bn, bk, 4, st)
         for bn, bk, st in itertools.product((16, 32), (128, 256, 512), (3, 4, 5))

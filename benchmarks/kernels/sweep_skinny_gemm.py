@@ -54,14 +54,24 @@ MS = (1, 2, 4, 8, 16)
 L2_BYTES = 50 << 20
 
 
-def configs(quick: bool) -> list[SkinnyConfig]:
+def configs(quick: bool, m: int) -> list[SkinnyConfig]:
+    """The tiles tried at M rows; at M = 1 also the one-row form's (fewer than 16 rows of
+    w a program, no tl.dot and no software pipeline: its stages do not matter)."""
     if quick:
         return [SkinnyConfig(16, 256, 4, 4), SkinnyConfig(32, 256, 4, 4)]
-    return [
+    dot = [
         SkinnyConfig(bn, bk, w, s)
         for bn, bk, w, s in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 6))
         if bn * bk <= 32 * 512
     ]
+    if m != 1:
+        return dot
+    one_row = [
+        SkinnyConfig(bn, bk, w, 1)
+        for bn, bk, w in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (4, 8))
+        if bn * bk <= 4 * 2048
+    ]
+    return dot + one_row
 
 
 def time_calls(fn, x, weights) -> float:
@@ -86,13 +96,13 @@ def main() -> None:
         weights = [
             torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5 for _ in range(copies)
         ]
-        per_config: dict[SkinnyConfig, list[float]] = {}
+        per_config: dict[SkinnyConfig, dict[int, float]] = {}
         cublas: list[float] = []
         for m in MS:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             cublas.append(time_calls(F.linear, x, weights))
             want = F.linear(x.float(), weights[0].float())
-            for cfg in configs(quick):
+            for cfg in configs(quick, m):
                 try:
                     got = skinny_gemm(x, weights[0], cfg).float()
                 except OutOfResources:
@@ -101,14 +111,13 @@ def main() -> None:
                 if err > 1e-2:
                     raise AssertionError(f"{name} M={m} {cfg}: relative error {err}")
                 us = time_calls(lambda a, b, c=cfg: skinny_gemm(a, b, c), x, weights)
-                per_config.setdefault(cfg, []).append(us)
+                per_config.setdefault(cfg, {})[m] = us
         floor = nbytes / COPY_BW * 1e6
         for i, m in enumerate(MS):
             best_cfg = min(
-                (c for c in per_config if len(per_config[c]) == len(MS)),
-                key=lambda c: per_config[c][i],
+                (c for c in per_config if m in per_config[c]), key=lambda c: per_config[c][m]
             )
-            best = per_config[best_cfg][i]
+            best = per_config[best_cfg][m]
             print(
                 f"{name:16s} M={m:2d} floor {floor:7.1f} us | cuBLAS {cublas[i]:7.1f} us "
                 f"({floor / cublas[i]:4.2f}) | best {best:7.1f} us ({floor / best:4.2f}) {best_cfg}",
@@ -116,8 +125,8 @@ def main() -> None:
             )
         # One config for every M: the smallest worst ratio to cuBLAS.
         full = [c for c in per_config if len(per_config[c]) == len(MS)]
-        overall = min(full, key=lambda c: max(t / cb for t, cb in zip(per_config[c], cublas)))
-        ratios = [t / cb for t, cb in zip(per_config[overall], cublas)]
+        overall = min(full, key=lambda c: max(per_config[c][m] / cb for m, cb in zip(MS, cublas)))
+        ratios = [per_config[overall][m] / cb for m, cb in zip(MS, cublas)]
         print(
             f"{name:16s} one config for all M: {overall}: time / cuBLAS "
             + " ".join(f"{r:4.2f}" for r in ratios),
@@ -131,8 +140,8 @@ def main() -> None:
                 floor_us=floor,
                 cublas_us=cublas,
                 overall=str(overall),
-                overall_us=per_config[overall],
-                best={str(c): t for c, t in per_config.items()},
+                overall_us=[per_config[overall][m] for m in MS],
+                best={str(c): [t[m] for m in MS if m in t] for c, t in per_config.items()},
             )
         )
         del weights

@@ -401,25 +401,45 @@ def _small_down_gemm_kernel(
     n_mask = offs_n < N
     w_rows = offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     chunks = tl.cdiv(K, BLOCK_K)
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    # (one loop over the token's experts and their K tiles, so that it pipelines whole)
-    for i in range(0, TOP_K * chunks):
-        s = t * TOP_K + i // chunks
-        k0 = (i % chunks) * BLOCK_K
-        k_mask = (k0 + offs_k) < K
-        expert = tl.load(ids_ptr + s).to(tl.int64)
-        a = tl.load(
-            a_ptr + s * stride_am + k0 + offs_m[:, None] * 0 + offs_k[None, :],
-            mask=first & k_mask[None, :],
-            other=0.0,
-        )
-        w = tl.load(
-            w_ptr + expert * stride_we + k0 + w_rows,
-            mask=n_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-    out = tl.sum(acc, axis=0)
+    if BLOCK_N >= 16:
+        # The token's row padded to 16 for `tl.dot`; one loop over the token's experts and
+        # their K tiles, so that it pipelines whole.
+        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        for i in range(0, TOP_K * chunks):
+            s = t * TOP_K + i // chunks
+            k0 = (i % chunks) * BLOCK_K
+            k_mask = (k0 + offs_k) < K
+            expert = tl.load(ids_ptr + s).to(tl.int64)
+            a = tl.load(
+                a_ptr + s * stride_am + k0 + offs_m[:, None] * 0 + offs_k[None, :],
+                mask=first & k_mask[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                w_ptr + expert * stride_we + k0 + w_rows,
+                mask=n_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        out = tl.sum(acc, axis=0)
+    else:
+        # Fewer rows a program (more programs on a narrow model): every expert's tile of
+        # a K chunk in one load ([experts, BLOCK_N, BLOCK_K], the ids read once), float32
+        # products summed over the experts and, at the end, along K.
+        KP: tl.constexpr = triton.next_power_of_2(TOP_K)
+        slot = tl.arange(0, KP)
+        slot_mask = slot < TOP_K
+        experts = tl.load(ids_ptr + t * TOP_K + slot, mask=slot_mask, other=0).to(tl.int64)
+        w_base = w_ptr + experts[:, None, None] * stride_we + w_rows[None, :, :]
+        a_base = a_ptr + (t * TOP_K + slot)[:, None] * stride_am + offs_k[None, :]
+        row_mask = slot_mask[:, None, None] & n_mask[None, :, None]
+        sums = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = (k0 + offs_k) < K
+            w = tl.load(w_base + k0, mask=row_mask & k_mask[None, None, :], other=0.0)
+            a = tl.load(a_base + k0, mask=slot_mask[:, None] & k_mask[None, :], other=0.0)
+            sums += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], axis=0)
+        out = tl.sum(sums, axis=1)
     tl.store(out_ptr + t * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 

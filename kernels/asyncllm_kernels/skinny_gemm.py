@@ -69,10 +69,11 @@ def _skinny_gemm_kernel(
     GATED: tl.constexpr,
     ADD: tl.constexpr,
     PDL: tl.constexpr,
+    ROWS: tl.constexpr,  # (16: x's rows padded for tl.dot; 1: one row, BLOCK_N < 16)
 ):
     pdl.begin(PDL)
     pid = tl.program_id(0)
-    offs_m = tl.arange(0, 16)
+    offs_m = tl.arange(0, ROWS)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
@@ -81,26 +82,44 @@ def _skinny_gemm_kernel(
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     # (GATED: the up rows follow the N gate rows)
     up_ptrs = w_ptr + (offs_n + N).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    squares = tl.zeros([16], dtype=tl.float32)
+    squares = tl.zeros([ROWS], dtype=tl.float32)
     if NORM:  # the squares in a pass of their own (x is small, and in L2)
         for k0 in range(0, K, BLOCK_K):
             k_mask = (k0 + offs_k) < K
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             x32 = x.to(tl.float32)
             squares += tl.sum(x32 * x32, axis=1)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + offs_k) < K
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-        if GATED:
-            u = tl.load(up_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            up = tl.dot(x, tl.trans(u), up)
-            up_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if ROWS == 16:  # x's rows padded to 16 for tl.dot
+        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = (k0 + offs_k) < K
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+            if GATED:
+                u = tl.load(up_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                up = tl.dot(x, tl.trans(u), up)
+                up_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    else:  # one row: float32 products, summed along K at the end
+        sums = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        up_sums = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = (k0 + offs_k) < K
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            x32 = x.to(tl.float32)  # [1, BLOCK_K]
+            sums += w.to(tl.float32) * x32
+            if GATED:
+                u = tl.load(up_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                up_sums += u.to(tl.float32) * x32
+                up_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc = tl.sum(sums, axis=1)[None, :]
+        up = tl.sum(up_sums, axis=1)[None, :]
     if NORM:
         rstd = tl.rsqrt(squares / K + eps)
         acc = acc * rstd[:, None]
@@ -135,6 +154,10 @@ def skinny_gemm(
         raise ValueError(f"x has {K} columns and w {Kw}: they must match")
     if M > MAX_M:
         raise ValueError(f"skinny_gemm takes at most {MAX_M} rows, got {M}")
+    if config.block_n < 16 and M > 1:
+        raise ValueError(
+            f"a config of {config.block_n} rows of w a program takes one row of x, got {M}"
+        )
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("x and w need a unit stride along K")
     if gated and rows % 2:
@@ -164,6 +187,7 @@ def skinny_gemm(
         NORM=norm,
         GATED=gated,
         ADD=add_to is not None,
+        ROWS=16 if config.block_n >= 16 else 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl.options(x),

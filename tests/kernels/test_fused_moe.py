@@ -91,7 +91,12 @@ def _check(dtype, T, E, K, H, inter, skew):
     assert err <= tol, err
 
 
-SMALL_TILES = [None, (GroupedConfig(16, 16, 4, 2), GroupedConfig(32, 16, 2, 3))]
+SMALL_TILES = [
+    None,
+    (GroupedConfig(16, 16, 4, 2), GroupedConfig(32, 16, 2, 3)),
+    # (down in tiles of fewer than 16 rows: products summed along K, not tl.dot)
+    (GroupedConfig(16, 16, 4, 2), GroupedConfig(4, 32, 2, 3)),
+]
 
 
 @pytest.mark.parametrize("tiles", SMALL_TILES)

@@ -36,6 +36,20 @@ def test_equals_a_float32_matmul(dtype, m, n, k):
     assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2), (got.float() - want).abs().max()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_n", [1, 4, 8])
+@pytest.mark.parametrize("n,k", [(48, 64), (40, 72)])
+def test_fewer_than_16_rows_of_w_a_program_take_one_row_of_x(dtype, block_n, n, k):
+    """The one-row form (float32 products summed along K, no tl.dot), for M = 1."""
+    x, w = _rand(1, k, dtype=dtype, seed=k), _rand(n, k, dtype=dtype, seed=n)
+    got = skinny_gemm(x, w, SkinnyConfig(block_n, 32, 4, 1))
+    want = x.float() @ w.float().T
+    assert got.dtype == dtype and got.shape == (1, n)
+    assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2), (got.float() - want).abs().max()
+    with pytest.raises(ValueError, match="4 rows of w a program takes one row of x, got 2"):
+        skinny_gemm(torch.zeros(2, k, dtype=dtype, device=DEVICE), w, SkinnyConfig(4, 32, 4, 1))
+
+
 def test_a_row_slice_of_a_wider_input_is_read_by_its_stride():
     wide = _rand(4, 96, dtype=torch.float16, seed=0)
     x, w = wide[:, :64], _rand(32, 64, dtype=torch.float16, seed=1)
@@ -85,15 +99,18 @@ def test_fused_neighbours_equal_their_float32_references(dtype, m, norm, gated, 
         want = silu_and_mul_ref(want)
     if add:
         want = want + residual.float()
-    target = residual.clone() if add else None
     w_used = (w.float() * g).to(dtype) if norm else w
-    cfg = SkinnyConfig(16, 32, 4, 2)
-    got = skinny_gemm(x, w_used, cfg, norm=bool(norm), eps=eps, gated=bool(gated), add_to=target)
-    assert got.dtype == dtype and got.shape == (m, n)
-    if add:
-        assert got is target  # (in place)
-    err = (got.float() - want).abs().max() / want.abs().max()
-    assert err < 1e-2, err
+    # (at one row also the one-row form, 8 rows of w a program)
+    for cfg in [SkinnyConfig(16, 32, 4, 2)] + ([SkinnyConfig(8, 32, 4, 1)] if m == 1 else []):
+        target = residual.clone() if add else None
+        got = skinny_gemm(
+            x, w_used, cfg, norm=bool(norm), eps=eps, gated=bool(gated), add_to=target
+        )
+        assert got.dtype == dtype and got.shape == (m, n)
+        if add:
+            assert got is target  # (in place)
+        err = (got.float() - want).abs().max() / want.abs().max()
+        assert err < 1e-2, (cfg, err)
 
 
 def test_fused_arguments_are_checked_by_name():

@@ -102,6 +102,7 @@ def compile_report(*variant) -> str:
         bn, bk, warps, stages, norm, gated, add, m1 = variant
         kernel = _skinny_gemm_kernel
         constexprs = dict(BLOCK_N=bn, BLOCK_K=bk, NORM=norm, GATED=gated, ADD=add, PDL=False)
+        constexprs["ROWS"] = 16 if bn >= 16 else 1
     params = kernel.params
     signature = {
         p.name: "constexpr"
