@@ -22,9 +22,12 @@ their expert's id and stream its weight rows (the skinny GEMM's form: one row pa
 16 for `tl.dot`), the routing weight is applied in the gate/up epilogue (a[s] =
 weight[s] * silu(gate) * up, the same sum by linearity), and each down program walks
 its token's K experts in one loop into one accumulator, so the sum over experts needs no
-launch or store of its own: two launches. Given the router's logits (`fused_moe_routed`)
-the gate/up programs also route their token themselves (`_top_experts`, the routing
-kernel's own steps), and the routing launch goes too.
+launch or store of its own: two launches. (A down config of fewer than 16 rows takes
+the one-row form: every expert's tile of a K chunk in one [K, rows, chunk] load, float32
+products without `tl.dot`, for more programs on a narrow model.) Given the router's
+logits (`fused_moe_routed`) the gate/up programs also route their token themselves
+(`_top_experts`, the routing kernel's own steps, or a rank of every expert in one pass),
+and the routing launch goes too.
 
 The sort runs on the device with fixed-size outputs (no host sync), so a step can be
 captured in a CUDA graph. `reference.fused_moe_ref` is the same in plain torch, expert

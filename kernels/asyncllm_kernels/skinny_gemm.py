@@ -7,7 +7,11 @@ choices for some of these shapes reach far less on an H200 (Llama-3.1-8B's o_pro
 M=1: 0.58 of it; Qwen3-0.6B's: 0.08), and some need a second, split-K reduction kernel. Here one
 program owns BLOCK_N rows of w and streams them along K: the rows of x are padded to 16
 in registers, so one `tl.dot` per tile covers every M up to 16, with no reduction pass.
-The accumulation is float32; the output takes x's dtype.
+The accumulation is float32; the output takes x's dtype. A config of fewer than 16
+rows (`block_n` < 16, M = 1 only) takes the one-row form instead: float32 products of
+each w tile with x's row, summed along K at the end, without `tl.dot`, so that a narrow
+layer is spread over many more programs (Triton does not pipeline these loads: a
+program's loads in flight are its tile, hence long K tiles).
 
 At these sizes each launch of a few microseconds is a visible share of a decoder layer,
 so the kernel can take in the launches beside it (each a constexpr switch):
