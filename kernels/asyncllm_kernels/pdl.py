@@ -12,6 +12,11 @@ previous kernel has finished and its writes are visible; then they signal
 `griddepcontrol.launch_dependents`. A kernel that follows one launched without the
 attribute (cuBLAS, torch's own) starts as it always did.
 
+A kernel whose weights do not depend on the previous kernel (the skinny GEMM) may also
+start moving them into L2 before its wait (`prefetch_l2`: one bulk prefetch per thread,
+sm_90's `cp.async.bulk.prefetch.L2`), so that the programs placed early spend the
+previous kernel's tail loading instead of idle.
+
 Off by default: `enable(True)` turns it on for the process (the engine does so from
 `ASYNCLLM_PDL=1`); it stays off on older GPUs and under Triton's interpreter.
 """
@@ -58,3 +63,32 @@ def begin(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+# (the most a program asks `prefetch_l2` for: with one or two programs an SM placed early,
+# about the bytes in flight that hide a few microseconds of a kernel's tail)
+PREFETCH_BYTES = tl.constexpr(64 << 10)
+
+
+@triton.jit
+def prefetch_l2(ptr, nbytes):
+    """Asks for `nbytes` (a multiple of 16, from `ptr`, 16-byte aligned) to be brought
+    into L2, split over 128 lanes (threads past 128 repeat a lane's request): a hint with
+    no result, for memory no earlier kernel writes. sm_90 and later."""
+    chunk = (tl.cdiv(nbytes, 128) + 15) // 16 * 16
+    offs = tl.arange(0, 128) * chunk
+    size = tl.minimum(chunk, nbytes - offs)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptr.to(tl.pointer_type(tl.int8)) + offs, size],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+def can_prefetch(t: torch.Tensor) -> bool:
+    """Whether `prefetch_l2` may take t's rows: 16-byte aligned, each row too."""
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0

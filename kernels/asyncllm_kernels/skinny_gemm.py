@@ -74,9 +74,23 @@ def _skinny_gemm_kernel(
     ADD: tl.constexpr,
     PDL: tl.constexpr,
     ROWS: tl.constexpr,  # (16: x's rows padded for tl.dot; 1: one row, BLOCK_N < 16)
+    PREFETCH: tl.constexpr,  # (with PDL: the program's first weight bytes into L2 first)
 ):
-    pdl.begin(PDL)
     pid = tl.program_id(0)
+    if PREFETCH:  # (the weights are no earlier kernel's output: before the wait)
+        rows = tl.minimum(BLOCK_N, N - pid * BLOCK_N)
+        size = (rows - 1) * stride_wn + K  # (elements, the last row's padding left out)
+        nbytes = tl.minimum(
+            size * (w_ptr.dtype.element_ty.primitive_bitwidth // 8), pdl.PREFETCH_BYTES
+        )
+        first = w_ptr + (pid * BLOCK_N).to(tl.int64) * stride_wn
+        if GATED:  # (half the bytes each from the gate rows and the up rows)
+            pdl.prefetch_l2(first, nbytes // 32 * 16)
+            up = w_ptr + (pid * BLOCK_N + N).to(tl.int64) * stride_wn
+            pdl.prefetch_l2(up, nbytes // 32 * 16)
+        else:
+            pdl.prefetch_l2(first, nbytes // 16 * 16)
+    pdl.begin(PDL)
     offs_m = tl.arange(0, ROWS)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -175,6 +189,7 @@ def skinny_gemm(
         out = add_to
     if M == 0:
         return out
+    launch = pdl.options(x)
     _skinny_gemm_kernel[(triton.cdiv(N, config.block_n),)](
         x,
         w,
@@ -192,9 +207,10 @@ def skinny_gemm(
         GATED=gated,
         ADD=add_to is not None,
         ROWS=16 if config.block_n >= 16 else 1,
+        PREFETCH=launch["PDL"] and pdl.can_prefetch(w),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **pdl.options(x),
+        **launch,
     )
     return out
 

@@ -45,6 +45,15 @@ LAYERS = [
 # (BLOCK_N, BLOCK_K, warps, stages, NORM, GATED, ADD, M is 1): tiles too large for the
 # registers, which the check must see spill
 SPILLING = (128, 512, 4, 3, True, True, False, True)
+# Under PDL (a ninth entry), with the weights' L2 prefetch before the wait: the dot form,
+# gated, and the one-row form
+UNDER_PDL = [
+    (32, 512, 4, 3, False, False, False, True, True),
+    (32, 256, 4, 4, True, True, False, True, True),
+    (16, 128, 4, 6, False, False, True, False, True),
+    (2, 2048, 4, 1, False, False, False, True, True),
+    (4, 1024, 4, 1, True, True, True, True, True),
+]
 
 
 def launched_variants() -> list[tuple]:
@@ -99,10 +108,12 @@ def compile_report(*variant) -> str:
             constexprs.update(ROUTE=True, RENORMALIZE=True, ROUND=tl.bfloat16)
             constexprs.update(BLOCK_E=128 if top_k == 8 else 64, BY_RANK=True)
     else:
-        bn, bk, warps, stages, norm, gated, add, m1 = variant
+        # (a ninth entry, if any: under PDL, with the weights' L2 prefetch)
+        bn, bk, warps, stages, norm, gated, add, m1, *under_pdl = variant
         kernel = _skinny_gemm_kernel
-        constexprs = dict(BLOCK_N=bn, BLOCK_K=bk, NORM=norm, GATED=gated, ADD=add, PDL=False)
-        constexprs["ROWS"] = 16 if bn >= 16 else 1
+        on = bool(under_pdl and under_pdl[0])
+        constexprs = dict(BLOCK_N=bn, BLOCK_K=bk, NORM=norm, GATED=gated, ADD=add, PDL=on)
+        constexprs.update(ROWS=16 if bn >= 16 else 1, PREFETCH=on)
     params = kernel.params
     signature = {
         p.name: "constexpr"
@@ -133,12 +144,13 @@ def compile_report(*variant) -> str:
             text=True,
             check=True,
         )
-    return out.stdout + out.stderr
+    prefetches = compiled.asm["ptx"].count("cp.async.bulk.prefetch.L2")
+    return out.stdout + out.stderr + f"\nL2 prefetch instructions: {prefetches}\n"
 
 
 @pytest.fixture(scope="module")
 def reports() -> dict[tuple, str]:
-    variants = [*launched_variants(), *MOE_VARIANTS, SPILLING]
+    variants = [*launched_variants(), *MOE_VARIANTS, SPILLING, *UNDER_PDL]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "kernels"), str(ROOT / "tests" / "kernels")])
     env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-sm90-")
@@ -177,6 +189,17 @@ def test_each_launched_variant_compiles_for_sm90_without_spills(reports, variant
 @pytest.mark.parametrize("variant", MOE_VARIANTS, ids=str)
 def test_the_moe_small_batch_gemms_compile_for_sm90_without_spills(reports, variant):
     assert spill_stores(reports[variant]) == 0, reports[variant]
+
+
+@pytest.mark.parametrize("variant", UNDER_PDL, ids=str)
+def test_under_pdl_the_weights_prefetch_into_l2_without_spills(reports, variant):
+    """The prefetch compiles (ptxas takes sm_90's bulk prefetch) into both forms, once
+    per weight block (twice gated); without PDL there is none."""
+    report = reports[variant]
+    assert spill_stores(report) == 0, report
+    gated = variant[5]
+    assert f"L2 prefetch instructions: {2 if gated else 1}" in report, report
+    assert "L2 prefetch instructions: 0" in reports[SPILLING]
 
 
 def test_the_check_sees_a_kernel_that_spills(reports):
