@@ -140,10 +140,13 @@ def small_candidates(gemm: str) -> list[GroupedConfig]:
         rows = [(1, 256, 2), (1, 512, 4), (2, 128, 4), (2, 256, 4), (2, 256, 8), (2, 512, 8)]
         rows += [(4, 128, 4), (4, 256, 4), (4, 256, 8), (4, 512, 8), (8, 128, 4), (8, 256, 8)]
         return dot + [GroupedConfig(bn, bk, w, 1) for bn, bk, w in rows]
-    return [
+    dot = [
         GroupedConfig(bn, bk, 4, st)
         for bn, bk, st in itertools.product((16, 32), (128, 256, 512), (3, 4, 5))
     ]
+    # (the one-row form of the gate/up GEMM too, under the same register bound)
+    rows = [(1, 1024, 4), (1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 8)]
+    return dot + [GroupedConfig(bn, bk, w, 1) for bn, bk, w in rows + [(8, 512, 8)]]
 
 
 def sweep_small(name: str, E: int, K: int, H: int, inter: int, T: int) -> dict:

@@ -22,9 +22,9 @@ their expert's id and stream its weight rows (the skinny GEMM's form: one row pa
 16 for `tl.dot`), the routing weight is applied in the gate/up epilogue (a[s] =
 weight[s] * silu(gate) * up, the same sum by linearity), and each down program walks
 its token's K experts in one loop into one accumulator, so the sum over experts needs no
-launch or store of its own: two launches. (A down config of fewer than 16 rows takes
-the one-row form: every expert's tile of a K chunk in one [K, rows, chunk] load, float32
-products without `tl.dot`, for more programs on a narrow model.) Given the router's
+launch or store of its own: two launches. (A config of fewer than 16 rows takes the
+one-row form: float32 products without `tl.dot`, for more programs on a narrow model;
+the down GEMM's loads every expert's tile of a K chunk at once, [K, rows, chunk].) Given the router's
 logits (`fused_moe_routed`) the gate/up programs also route their token themselves
 (`_top_experts`, the routing kernel's own steps, or a rank of every expert in one pass),
 and the routing launch goes too.
@@ -353,28 +353,50 @@ def _small_gate_up_gemm_kernel(
     else:
         expert = tl.load(ids_ptr + s).to(tl.int64)
         weight = tl.load(weights_ptr + s).to(tl.float32)
-    offs_m = tl.arange(0, 16)  # (row 0 is the slot's token; 1-15 pad the dot)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    first = offs_m[:, None] == 0
     n_mask = offs_n < N
-    x_ptrs = x_ptr + (s // TOP_K) * stride_xm + offs_m[:, None] * 0 + offs_k[None, :]
-    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    up_ptrs = w_ptrs + N * stride_wn
-    gate = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + offs_k) < K
-        x = tl.load(x_ptrs, mask=first & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        u = tl.load(up_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        gate = tl.dot(x, tl.trans(w), gate, input_precision=PRECISION)
-        up = tl.dot(x, tl.trans(u), up, input_precision=PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
-    g = tl.sum(gate, axis=0)  # (the padding rows are zeros)
-    a = g / (1.0 + tl.exp(-g)) * tl.sum(up, axis=0) * weight
+    if BLOCK_N >= 16:
+        offs_m = tl.arange(0, 16)  # (row 0 is the slot's token; 1-15 pad the dot)
+        first = offs_m[:, None] == 0
+        x_ptrs = x_ptr + (s // TOP_K) * stride_xm + offs_m[:, None] * 0 + offs_k[None, :]
+        w_ptrs = (
+            w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        )
+        up_ptrs = w_ptrs + N * stride_wn
+        gate = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = (k0 + offs_k) < K
+            x = tl.load(x_ptrs, mask=first & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            u = tl.load(up_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            gate = tl.dot(x, tl.trans(w), gate, input_precision=PRECISION)
+            up = tl.dot(x, tl.trans(u), up, input_precision=PRECISION)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+            up_ptrs += BLOCK_K
+        g = tl.sum(gate, axis=0)  # (the padding rows are zeros)
+        u_sum = tl.sum(up, axis=0)
+    else:
+        # Fewer rows a program: float32 products of the token's row with each tile,
+        # summed along K at the end (no tl.dot; more programs on a narrow expert).
+        x_row = x_ptr + (s // TOP_K) * stride_xm + offs_k
+        w_rows = (
+            w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        )
+        gate_sums = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        up_sums = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = (k0 + offs_k) < K
+            tile_mask = n_mask[:, None] & k_mask[None, :]
+            x1 = tl.load(x_row + k0, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            gate_sums += tl.load(w_rows + k0, mask=tile_mask, other=0.0).to(tl.float32) * x1
+            up_rows = w_rows + N * stride_wn + k0
+            up_sums += tl.load(up_rows, mask=tile_mask, other=0.0).to(tl.float32) * x1
+        g = tl.sum(gate_sums, axis=1)
+        u_sum = tl.sum(up_sums, axis=1)
+    a = g / (1.0 + tl.exp(-g)) * u_sum * weight
     tl.store(a_ptr + s * stride_am + offs_n, a.to(a_ptr.dtype.element_ty), mask=n_mask)
 
 

@@ -94,8 +94,9 @@ def _check(dtype, T, E, K, H, inter, skew):
 SMALL_TILES = [
     None,
     (GroupedConfig(16, 16, 4, 2), GroupedConfig(32, 16, 2, 3)),
-    # (down in tiles of fewer than 16 rows: products summed along K, not tl.dot)
-    (GroupedConfig(16, 16, 4, 2), GroupedConfig(4, 32, 2, 3)),
+    # (tiles of fewer than 16 rows: products summed along K, not tl.dot)
+    (GroupedConfig(4, 32, 2, 1), GroupedConfig(4, 32, 2, 1)),
+    (GroupedConfig(1, 16, 4, 1), GroupedConfig(8, 16, 4, 1)),
 ]
 
 
