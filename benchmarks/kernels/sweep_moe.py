@@ -128,25 +128,26 @@ def sweep(name: str, E: int, K: int, H: int, inter: int, T: int, quick: bool) ->
 SMALL_TOKENS = (1, 2, 4, 8)
 
 
-def small_candidates(gemm: str) -> list[GroupedConfig]:
+def small_candidates(gemm: str, tokens: int) -> list[GroupedConfig]:
+    """The tiles tried for one of the small path's GEMMs at `tokens` tokens; the one-row
+    forms (fewer than 16 rows a program: no tl.dot, no software pipeline, so their stages
+    do not matter) at one token only, those without spills and at most about 180
+    registers on sm_90a."""
     if gemm == "down":  # (deeper pipelines too: 8 stages won at two tokens)
         dot = [
             GroupedConfig(bn, bk, 4, st)
             for bn, bk, st in itertools.product((16, 32), (256, 512), (4, 5, 6, 8))
         ]
-        # Fewer than 16 rows a program: every expert's tile in one load, no tl.dot and no
-        # software pipeline (its stages do not matter); the register-bound ones left out
-        # (sm_90a: at most about 180 registers, no spills).
         rows = [(1, 256, 2), (1, 512, 4), (2, 128, 4), (2, 256, 4), (2, 256, 8), (2, 512, 8)]
         rows += [(4, 128, 4), (4, 256, 4), (4, 256, 8), (4, 512, 8), (8, 128, 4), (8, 256, 8)]
-        return dot + [GroupedConfig(bn, bk, w, 1) for bn, bk, w in rows]
-    dot = [
-        GroupedConfig(bn, bk, 4, st)
-        for bn, bk, st in itertools.product((16, 32), (128, 256, 512), (3, 4, 5))
-    ]
-    # (the one-row form of the gate/up GEMM too, under the same register bound)
-    rows = [(1, 1024, 4), (1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 8)]
-    return dot + [GroupedConfig(bn, bk, w, 1) for bn, bk, w in rows + [(8, 512, 8)]]
+    else:
+        dot = [
+            GroupedConfig(bn, bk, 4, st)
+            for bn, bk, st in itertools.product((16, 32), (128, 256, 512), (3, 4, 5))
+        ]
+        rows = [(1, 1024, 4), (1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4)]
+        rows += [(4, 1024, 8), (8, 512, 8)]
+    return dot + ([GroupedConfig(bn, bk, w, 1) for bn, bk, w in rows] if tokens == 1 else [])
 
 
 def sweep_small(name: str, E: int, K: int, H: int, inter: int, T: int) -> dict:
@@ -211,7 +212,7 @@ def sweep_small(name: str, E: int, K: int, H: int, inter: int, T: int) -> dict:
         default = graph_time_calls_us([lambda i=i, f=call: f(i, None) for i in range(ROUTINGS)])
         ref = call(0, None).float()
         timed: dict[GroupedConfig, float] = {}
-        for cfg in small_candidates(gemm):
+        for cfg in small_candidates(gemm, T):
             try:
                 out = call(0, cfg).float()
             except OutOfResources:
