@@ -141,7 +141,8 @@ def main() -> None:
                 cublas_us=cublas,
                 overall=str(overall),
                 overall_us=[per_config[overall][m] for m in MS],
-                best={str(c): [t[m] for m in MS if m in t] for c, t in per_config.items()},
+                ms=list(MS),
+                times={str(c): {str(m): us for m, us in t.items()} for c, t in per_config.items()},
             )
         )
         del weights

@@ -468,13 +468,24 @@ def _small_down_gemm_kernel(
     tl.store(out_ptr + t * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def small_configs(num_tokens: int) -> tuple[GroupedConfig, GroupedConfig]:
-    """The small-batch GEMMs' tiles (gate/up, down) at `num_tokens` tokens. Measured on an
+# (tokens, hidden size, expert intermediate size) -> (gate/up, down): tiles measured on
+# this process's card, ahead of `small_configs`' own choice (asyncllm_kernels.tiles)
+SMALL_TUNED: dict[tuple[int, int, int], tuple[GroupedConfig, GroupedConfig]] = {}
+
+
+def small_configs(
+    num_tokens: int, hidden: int | None = None, inter: int | None = None
+) -> tuple[GroupedConfig, GroupedConfig]:
+    """The small-batch GEMMs' tiles (gate/up, down) at `num_tokens` tokens: those of
+    `SMALL_TUNED` for the layer's shape where it has them, else these, measured on an
     H100 (`benchmarks/kernels/sweep_moe.py --small`, Qwen3-30B-A3B and DeepSeek-V2-Lite
     at 1, 2 and 4 tokens): gate/up 32 x 128, 4 stages, within 2% of the best everywhere;
     down, whose programs walk their token's experts one after another, 16 x 512 at one
     token (128 programs on a 2,048-wide model), 5 stages; above it 32 x 256, 8 stages at
     two tokens (1.7-2.5 us faster than 5) and 5 at three or four."""
+    tuned = SMALL_TUNED.get((num_tokens, hidden or 0, inter or 0))
+    if tuned is not None:
+        return tuned
     if num_tokens == 1:
         down = GroupedConfig(16, 512, 4, 5)
     else:
@@ -494,7 +505,7 @@ def fused_moe_small(
     tokens. `configs`: the gate/up and down GEMMs' tiles (`small_configs` by default)."""
     x = x.contiguous()
     ids = topk_ids.flatten().contiguous()
-    gate_up, down = configs or small_configs(x.shape[0])
+    gate_up, down = configs or small_configs(x.shape[0], x.shape[1], w2.shape[2])
     a = small_gate_up(x, w13, ids, topk_weights.flatten().contiguous(), gate_up)
     return small_down(a, w2, ids, x.shape[0], down)
 
@@ -533,7 +544,7 @@ def fused_moe_routed(
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     x = x.contiguous()
     ids = torch.empty(T * top_k, dtype=torch.int64, device=x.device)
-    gate_up, down = small_configs(T)
+    gate_up, down = small_configs(T, x.shape[1], w2.shape[2])
     a = small_gate_up(
         x, w13, ids, None, gate_up, Route(logits, renormalize, scaling, round_to, by_rank)
     )
@@ -553,7 +564,7 @@ def small_gate_up(
     `route`, the ids and weights are the routing's (`softmax_topk`'s [T, K], flattened),
     and the ids are written into `ids`; `weights` is not read."""
     (T, H), slots, inter = x.shape, ids.numel(), w13.shape[1] // 2
-    cfg = config or small_configs(T)[0]
+    cfg = config or small_configs(T, H, inter)[0]
     a = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     logits = route.logits if route is not None else x
     _small_gate_up_gemm_kernel[(slots, triton.cdiv(inter, cfg.block_n))](
@@ -593,7 +604,7 @@ def small_down(
     """out [T, H]: the sum over each token's K slots s of a[s] @ w2[ids[s]].T."""
     slots, inter = a.shape
     H = w2.shape[1]
-    cfg = config or small_configs(num_tokens)[1]
+    cfg = config or small_configs(num_tokens, H, inter)[1]
     out = torch.empty(num_tokens, H, dtype=a.dtype, device=a.device)
     _small_down_gemm_kernel[(num_tokens, triton.cdiv(H, cfg.block_n))](
         a,

@@ -45,6 +45,11 @@ so a test or a host that sets a variable before starting an engine is heard.
 - `ASYNCLLM_MOE_ROUTED`: `1` has a mixture-of-experts layer on CUDA route a step of up
   to 4 tokens inside its experts' gate/up GEMM (`fused_moe_routed`: one launch less a
   layer) instead of in a routing launch of its own (default `0` until measured on a GPU).
+- `ASYNCLLM_TILES`: a tiles file (JSON) whose kernel tiles a CUDA worker puts ahead of
+  the built-in tables: the skinny GEMM's per shape and M, the MoE small path's per
+  token count and shape (`asyncllm_kernels/tiles.py`; `benchmarks/kernels/pick_tiles.py`
+  writes one from the sweeps). A file that is missing or wrong fails the start, naming
+  the field (default: none).
 - `ASYNCLLM_WORKER_START_TIMEOUT_S`: how long the multiprocess (or Ray) executor waits for
   every worker to build its model before the start fails, naming the ranks not ready (a
   rendezvous that never completes, a stalled load; default `900`).
@@ -73,6 +78,7 @@ VARIABLES = (
     "ASYNCLLM_FUSED_GEMM",
     "ASYNCLLM_PDL",
     "ASYNCLLM_MOE_ROUTED",
+    "ASYNCLLM_TILES",
 )
 PP_LAYER_PARTITION = "ASYNCLLM_PP_LAYER_PARTITION"
 
@@ -125,6 +131,11 @@ def moe_routed() -> bool:
     """Whether a mixture-of-experts layer on CUDA routes a few tokens inside its gate/up
     GEMM ($ASYNCLLM_MOE_ROUTED, default 0)."""
     return _switch("ASYNCLLM_MOE_ROUTED", "0")
+
+
+def tiles_path() -> str | None:
+    """The tiles file a CUDA worker applies ($ASYNCLLM_TILES), or None."""
+    return os.environ.get("ASYNCLLM_TILES") or None
 
 
 def log_level() -> str:

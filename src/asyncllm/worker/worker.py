@@ -88,6 +88,12 @@ class Worker:
             from asyncllm_kernels import pdl
 
             pdl.enable(envs.pdl_launch())
+            path = envs.tiles_path()
+            if path is not None:  # (a card's measured tiles, ahead of the built-in ones)
+                from asyncllm_kernels import tiles
+
+                tiles.load(path)
+                logger.info("kernel tiles from %s", path)
         torch.manual_seed(config.model.seed)
         # What the process held before this engine (other engines in it, for one).
         self._baseline = (
