@@ -172,6 +172,10 @@ for s in "$@"; do
     sweep-skinny) stage "$s" python3 benchmarks/kernels/sweep_skinny_gemm.py ;;
     sweep-skinny-8b) stage "$s" python3 benchmarks/kernels/sweep_skinny_gemm.py llama8b.qkv llama8b.gate_up ;;
     sweep-skinny-moe) stage "$s" python3 benchmarks/kernels/sweep_skinny_gemm.py moe ;;
+    # (M = 1 only, every dense layer of a shape: batch-1 decode's GEMMs)
+    sweep-skinny-8b-m1) stage "$s" python3 benchmarks/kernels/sweep_skinny_gemm.py --m1 \
+        llama8b.qkv llama8b.o llama8b.gate_up llama8b.down ;;
+    sweep-skinny-moe-m1) stage "$s" python3 benchmarks/kernels/sweep_skinny_gemm.py --m1 moe ;;
     sweep-moe) stage "$s" python3 benchmarks/kernels/sweep_moe.py ;;
     sweep-moe-small) stage "$s" python3 benchmarks/kernels/sweep_moe.py --small ;;
     pick-tiles) stage "$s" python3 benchmarks/kernels/pick_tiles.py "$OUT" ;;

@@ -1,4 +1,4 @@
-"""A tiles file from the sweeps' JSON in a folder: `sweep_skinny_gemm.json` and
+"""A tiles file from the sweeps' JSON in a folder: sweep_skinny_gemm*.json and
 `sweep_moe_small.json` (written under $OUT by `sweep_skinny_gemm.py` and
 `sweep_moe.py --small`), whichever are there, into FOLDER/tiles.json, which an engine
 runs with `ASYNCLLM_TILES=FOLDER/tiles.json` (`asyncllm_kernels.tiles`; h200.sh's
@@ -25,15 +25,16 @@ def main() -> None:
     folder = Path(sys.argv[1])
     tiles: dict = {"source": []}
     found = {p.stem: json.loads(p.read_text()) for p in folder.glob("sweep_*.json")}
-    if "sweep_skinny_gemm" in found:
-        tiles["skinny"] = pick_skinny(found["sweep_skinny_gemm"]["rows"])
-        tiles["source"].append("sweep_skinny_gemm.json")
+    skinny = sorted(name for name in found if name.startswith("sweep_skinny_gemm"))
+    if skinny:
+        tiles["skinny"] = pick_skinny([row for name in skinny for row in found[name]["rows"]])
+        tiles["source"] += [f"{name}.json" for name in skinny]
     if "sweep_moe_small" in found:
         shapes = {name: (hidden, inter) for name, _, _, hidden, inter in SHAPES}
         tiles["moe_small"] = pick_moe(found["sweep_moe_small"]["rows"], shapes)
         tiles["source"].append("sweep_moe_small.json")
     if not tiles["source"]:
-        raise SystemExit(f"no sweep_skinny_gemm.json or sweep_moe_small.json in {folder}")
+        raise SystemExit(f"no sweep_skinny_gemm*.json or sweep_moe_small.json in {folder}")
     parse(tiles)  # (what an engine would refuse is refused here)
     text = json.dumps(tiles, indent=1)
     (folder / "tiles.json").write_text(text + "\n")

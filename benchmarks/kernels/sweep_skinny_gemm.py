@@ -4,9 +4,10 @@ weight copies that each call reads its weight from device memory (not L2). Print
 shape and M, cuBLAS's time and bandwidth, the best config's, and the config that is best
 over all M (the one `TUNED` should hold), with its worst ratio to cuBLAS.
 
-    PYTHONPATH=src:kernels python3 benchmarks/kernels/sweep_skinny_gemm.py [--quick] [SHAPE ...]
+    PYTHONPATH=src:kernels python3 benchmarks/kernels/sweep_skinny_gemm.py [--quick] [--m1] [SHAPE ...]
 
-(SHAPE: a name of SHAPES, such as llama8b.qkv, or "moe" for MOE_SHAPES: only those shapes.)
+(SHAPE: a name of SHAPES, such as llama8b.qkv, or "moe" for MOE_SHAPES: only those shapes;
+--m1: M = 1 only. The JSON under $OUT is sweep_skinny_gemm[_SHAPES].json.)
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ def time_calls(fn, x, weights) -> float:
 
 def main() -> None:
     quick = "--quick" in sys.argv
+    ms = (1,) if "--m1" in sys.argv else MS
     only = [a for a in sys.argv[1:] if not a.startswith("--")]
+    tag = "_".join(a.replace(".", "-") for a in only)
     if "moe" in only:
         only = [a for a in only if a != "moe"] + [name for name, _, _ in MOE_SHAPES]
     unknown = set(only) - {name for name, _, _ in SHAPES}
@@ -98,7 +101,7 @@ def main() -> None:
         ]
         per_config: dict[SkinnyConfig, dict[int, float]] = {}
         cublas: list[float] = []
-        for m in MS:
+        for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             cublas.append(time_calls(F.linear, x, weights))
             want = F.linear(x.float(), weights[0].float())
@@ -113,7 +116,7 @@ def main() -> None:
                 us = time_calls(lambda a, b, c=cfg: skinny_gemm(a, b, c), x, weights)
                 per_config.setdefault(cfg, {})[m] = us
         floor = nbytes / COPY_BW * 1e6
-        for i, m in enumerate(MS):
+        for i, m in enumerate(ms):
             best_cfg = min(
                 (c for c in per_config if m in per_config[c]), key=lambda c: per_config[c][m]
             )
@@ -124,9 +127,9 @@ def main() -> None:
                 flush=True,
             )
         # One config for every M: the smallest worst ratio to cuBLAS.
-        full = [c for c in per_config if len(per_config[c]) == len(MS)]
-        overall = min(full, key=lambda c: max(per_config[c][m] / cb for m, cb in zip(MS, cublas)))
-        ratios = [per_config[overall][m] / cb for m, cb in zip(MS, cublas)]
+        full = [c for c in per_config if len(per_config[c]) == len(ms)]
+        overall = min(full, key=lambda c: max(per_config[c][m] / cb for m, cb in zip(ms, cublas)))
+        ratios = [per_config[overall][m] / cb for m, cb in zip(ms, cublas)]
         print(
             f"{name:16s} one config for all M: {overall}: time / cuBLAS "
             + " ".join(f"{r:4.2f}" for r in ratios),
@@ -140,14 +143,14 @@ def main() -> None:
                 floor_us=floor,
                 cublas_us=cublas,
                 overall=str(overall),
-                overall_us=[per_config[overall][m] for m in MS],
-                ms=list(MS),
+                overall_us=[per_config[overall][m] for m in ms],
+                ms=list(ms),
                 times={str(c): {str(m): us for m, us in t.items()} for c, t in per_config.items()},
             )
         )
         del weights
         torch.cuda.empty_cache()
-    write_json("sweep_skinny_gemm", rows)
+    write_json("sweep_skinny_gemm" + (f"_{tag}" if tag else ""), rows)
 
 
 if __name__ == "__main__":

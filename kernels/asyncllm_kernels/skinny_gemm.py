@@ -220,7 +220,8 @@ def skinny_gemm(
 # docs/benchmarks.md). M=1 compiles its own kernel (Triton specializes an argument equal
 # to 1), hence its own entries. Shapes and M not listed here use cuBLAS.
 _M1 = SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=3)
-TUNED: dict[tuple[int, int], tuple[tuple[int, SkinnyConfig], ...]] = {
+# (A tiles file, asyncllm_kernels/tiles.py, may also say None for a range: cuBLAS.)
+TUNED: dict[tuple[int, int], tuple[tuple[int, SkinnyConfig | None], ...]] = {
     # Llama-3.1-8B o_proj: 11.8 / 12.2 us against cuBLAS's 13.5 (M = 1 / 2-16)
     (4096, 4096): ((1, _M1), (16, SkinnyConfig(32, 128, 4, 6))),
     # Llama-3.1-8B down_proj at M = 1: 31.2 us against 32.3

@@ -13,8 +13,8 @@ applies one (the engine does so at start-up from `ASYNCLLM_TILES`). The file:
                     "gate_up": [32, 128, 4, 4], "down": [4, 256, 4, 1]}]}
 
 A tile is [rows a program (block_n), block_k, warps, stages]. A skinny entry lists
-(largest M, tile) in increasing M, as `TUNED` does; an empty list means cuBLAS for
-every M of that shape.
+(largest M, tile) in increasing M, as `TUNED` does, a tile of null meaning cuBLAS for
+that range; an empty list means cuBLAS for every M of that shape.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def parse(data: Any) -> tuple[dict, dict]:
     unknown = set(data) - {"skinny", "moe_small", "device", "source"}
     if unknown:
         raise ValueError(f"a tiles file has no field {sorted(unknown)[0]!r}")
-    skinny: dict[tuple[int, int], tuple[tuple[int, SkinnyConfig], ...]] = {}
+    skinny: dict[tuple[int, int], tuple[tuple[int, SkinnyConfig | None], ...]] = {}
     for i, entry in enumerate(data.get("skinny", [])):
         where = f"skinny[{i}]"
         if not isinstance(entry, dict):
@@ -75,15 +75,16 @@ def parse(data: Any) -> tuple[dict, dict]:
         configs = entry.get("configs")
         if not isinstance(configs, list):
             raise ValueError(f"{where}.configs must be a list of [largest M, tile]")
-        rows: list[tuple[int, SkinnyConfig]] = []
+        rows: list[tuple[int, SkinnyConfig | None]] = []
         for j, item in enumerate(configs):
             at = f"{where}.configs[{j}]"
             if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], int):
-                raise ValueError(f"{at} must be [largest M, tile], got {item!r}")
-            largest, tile = item[0], SkinnyConfig(*_tile(item[1], f"{at}[1]"))
+                raise ValueError(f"{at} must be [largest M, tile or null], got {item!r}")
+            largest = item[0]
+            tile = None if item[1] is None else SkinnyConfig(*_tile(item[1], f"{at}[1]"))
             if not 1 <= largest <= MAX_M or (rows and largest <= rows[-1][0]):
                 raise ValueError(f"{at}: largest M must rise within 1..{MAX_M}, got {largest}")
-            if tile.block_n < 16 and largest > 1:
+            if tile is not None and tile.block_n < 16 and largest > 1:
                 raise ValueError(f"{at}: a tile of fewer than 16 rows serves M = 1 only")
             rows.append((largest, tile))
         skinny[(n, k)] = tuple(rows)
@@ -159,19 +160,19 @@ def pick_moe(rows: Iterable[dict], shapes: dict[str, tuple[int, int]]) -> list[d
 def pick_skinny(rows: Iterable[dict]) -> list[dict]:
     """The skinny GEMM's entries from `sweep_skinny_gemm.py` rows (n, k, the M values,
     cuBLAS's time at each, each config's at the Ms it ran): at M = 1 the fastest tile if
-    it beats cuBLAS by MARGIN; above, the tile that beats cuBLAS by MARGIN at every M from
-    2 up to the largest m (the one reaching furthest, then the first), up to that m. An
-    empty list: cuBLAS at every M."""
+    it beats cuBLAS by MARGIN, else cuBLAS (null); above, up to the largest M swept, the
+    tile that beats cuBLAS by MARGIN at every M from 2 up to the furthest M (the one
+    reaching furthest, then the first), then cuBLAS; past the largest M swept, the
+    built-in entries. Nothing but cuBLAS: an empty list."""
     picked = []
     for row in rows:
         ms, cublas = row["ms"], dict(zip(row["ms"], row["cublas_us"], strict=True))
         times = {cfg: {int(m): t for m, t in by_m.items()} for cfg, by_m in row["times"].items()}
         configs: list[list] = []
         at_one = {cfg: t[1] for cfg, t in times.items() if 1 in t}
-        if at_one:
-            best = min(at_one, key=at_one.__getitem__)
-            if at_one[best] < cublas[1] * (1 - MARGIN):
-                configs.append([1, _config_of(best)])
+        best = min(at_one, key=at_one.__getitem__) if at_one else None
+        faster = best is not None and at_one[best] < cublas[1] * (1 - MARGIN)
+        configs.append([1, _config_of(best) if faster and best else None])
         above = [m for m in ms if m > 1]
         best_reach, best_cfg = 0, None
         for cfg, t in times.items():
@@ -184,5 +185,13 @@ def pick_skinny(rows: Iterable[dict]) -> list[dict]:
                 best_reach, best_cfg = reach, cfg
         if best_cfg is not None:
             configs.append([best_reach, _config_of(best_cfg)])
+        swept = max(ms)
+        if swept > configs[-1][0]:
+            configs.append([swept, None])
+        for largest, tile in skinny_gemm.TUNED.get((row["n"], row["k"]), ()):
+            if largest > swept:
+                configs.append([largest, list(astuple(tile)) if tile is not None else None])
+        if all(tile is None for _, tile in configs):
+            configs = []
         picked.append(dict(n=row["n"], k=row["k"], configs=configs))
     return picked

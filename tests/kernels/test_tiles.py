@@ -173,15 +173,22 @@ def test_the_skinny_pick_takes_m1_and_the_furthest_reaching_tile_above():
     }
     slower = dict(row, n=4096, times={repr(wide): {"1": 9.9, "2": 9.9, "4": 10.0, "8": 11.0}})
     picked = tiles.pick_skinny([row, slower])
+    built_in_above = [16, [16, 256, 4, 4]]  # (TUNED's entry past the M = 8 swept)
     assert picked == [
-        dict(n=2048, k=4096, configs=[[1, [2, 2048, 4, 1]], [4, [16, 256, 4, 4]]]),
-        dict(n=4096, k=4096, configs=[]),  # (cuBLAS everywhere)
+        dict(
+            n=2048,
+            k=4096,
+            configs=[[1, [2, 2048, 4, 1]], [4, [16, 256, 4, 4]], [8, None], built_in_above],
+        ),
+        dict(n=4096, k=4096, configs=[[1, None], [8, None], [16, [32, 128, 4, 6]]]),
     ]
     tiles.apply({"skinny": picked})
     assert skinny_config(1, 2048, 4096, BF16) == one_row
     assert skinny_config(4, 2048, 4096, BF16) == narrow
-    assert skinny_config(8, 2048, 4096, BF16) is None
+    assert skinny_config(8, 2048, 4096, BF16) is None  # (cuBLAS: nothing beat it at 8)
+    assert skinny_config(16, 2048, 4096, BF16) == SkinnyConfig(16, 256, 4, 4)
     assert skinny_config(1, 4096, 4096, BF16) is None
+    assert tiles.pick_skinny([dict(slower, n=96)]) == [dict(n=96, k=4096, configs=[])]
 
 
 def test_pick_tiles_writes_a_file_the_engine_accepts(tmp_path):
@@ -210,3 +217,23 @@ def test_pick_tiles_writes_a_file_the_engine_accepts(tmp_path):
     ]  # fmt: skip
     tiles.load(tmp_path / "tiles.json")
     assert small_configs(1, 2048, 1408)[0] == GroupedConfig(2, 1024, 4, 1)
+
+
+def test_a_sweep_of_m1_alone_keeps_the_built_in_tiles_above_it():
+    """(`sweep_skinny_gemm.py --m1`): Llama-3.1-8B's o_proj keeps its M = 2-16 entry."""
+    one_row = SkinnyConfig(2, 2048, 4, 1)
+    above = dict(skinny_gemm.TUNED[(4096, 4096)])[16]
+    row = {
+        "n": 4096,
+        "k": 4096,
+        "ms": [1],
+        "cublas_us": [13.5],
+        "times": {repr(one_row): {"1": 9.0}},
+    }
+    picked = tiles.pick_skinny([row])
+    assert picked == [
+        dict(n=4096, k=4096, configs=[[1, [2, 2048, 4, 1]], [16, list(above.__dict__.values())]])
+    ]
+    tiles.apply({"skinny": picked})
+    assert skinny_config(1, 4096, 4096, BF16) == one_row
+    assert skinny_config(16, 4096, 4096, BF16) == above
