@@ -69,7 +69,13 @@ def _copy_into(dst, src):
         dst[name].copy_(t)
 
 
-def test_a_graph_of_pdl_launches_equals_plain_launches(monkeypatch):
+@pytest.mark.parametrize(
+    "T,cfg",
+    # (the skinny GEMM's dot form, and at one row its one-row form; both prefetch their
+    # weights into L2 under PDL)
+    [(4, SkinnyConfig(32, 128, 4, 3)), (1, SkinnyConfig(4, 1024, 4, 1))],
+)
+def test_a_graph_of_pdl_launches_equals_plain_launches(monkeypatch, T, cfg):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90")
     dev = torch.device("cuda")
@@ -85,9 +91,9 @@ def test_a_graph_of_pdl_launches_equals_plain_launches(monkeypatch):
         "gate_up": (0.02 * torch.randn(2 * INTER, HIDDEN, generator=gen)).to(dev, dt),
         "down": (0.02 * torch.randn(HIDDEN, INTER, generator=gen)).to(dev, dt),
         "cos_sin": torch.cat([ang.cos(), ang.sin()], dim=1).to(dev),
-        "cfg": SkinnyConfig(32, 128, 4, 3),
+        "cfg": cfg,
     }
-    T, blocks = 4, 4 * 64
+    blocks = T * 64
     cases = [_inputs(gen, T, blocks, dev, dt) for _ in range(3)]
 
     monkeypatch.setattr(pdl, "_enabled", False)
