@@ -102,7 +102,8 @@ for s in "$@"; do
     # one ending in -routed with a few tokens routed inside the MoE gate/up GEMM,
     export ASYNCLLM_MOE_ROUTED=0
     case $t in *-routed) export ASYNCLLM_MOE_ROUTED=1; t=${t%-routed} ;; esac
-    # one ending in -tiles with the tiles the pick-tiles stage chose from this call's sweeps,
+    # one ending in -tiles with the tiles the tiles-from-sweeps stage chose from this call's
+    # sweeps (a stage name may not end in -tiles otherwise),
     unset ASYNCLLM_TILES
     case $t in *-tiles) export ASYNCLLM_TILES=$OUT/tiles.json; t=${t%-tiles} ;; esac
     case $t in *-fi) SYNC+=(--attention-backend flashinfer); t=${t%-fi} ;; esac
@@ -178,7 +179,7 @@ for s in "$@"; do
     sweep-skinny-moe-m1) stage "$s" python3 benchmarks/kernels/sweep_skinny_gemm.py --m1 moe ;;
     sweep-moe) stage "$s" python3 benchmarks/kernels/sweep_moe.py ;;
     sweep-moe-small) stage "$s" python3 benchmarks/kernels/sweep_moe.py --small ;;
-    pick-tiles) stage "$s" python3 benchmarks/kernels/pick_tiles.py "$OUT" ;;
+    tiles-from-sweeps) stage "$s" python3 benchmarks/kernels/pick_tiles.py "$OUT" ;;
     bench-fused-skinny) stage "$s" python3 benchmarks/kernels/bench_fused_skinny.py ;;
     bench-fused-skinny-m1) stage "$s" python3 benchmarks/kernels/bench_fused_skinny.py --m 1 ;;
     sweep-prefill) stage "$s" python3 benchmarks/kernels/sweep_prefill.py ;;

@@ -2,7 +2,7 @@
 `sweep_moe_small.json` (written under $OUT by `sweep_skinny_gemm.py` and
 `sweep_moe.py --small`), whichever are there, into FOLDER/tiles.json, which an engine
 runs with `ASYNCLLM_TILES=FOLDER/tiles.json` (`asyncllm_kernels.tiles`; h200.sh's
-`pick-tiles` stage and `-tiles` suffix). Prints the file.
+`tiles-from-sweeps` stage and `-tiles` suffix). Prints the file.
 
     PYTHONPATH=src:kernels python3 benchmarks/kernels/pick_tiles.py FOLDER
 """
