@@ -45,8 +45,8 @@ so a test or a host that sets a variable before starting an engine is heard.
 - `ASYNCLLM_MOE_ROUTED`: `1` has a mixture-of-experts layer on CUDA route a step of up
   to 4 tokens inside its experts' gate/up GEMM (`fused_moe_routed`: one launch less a
   layer) instead of in a routing launch of its own (default `0` until measured on a GPU).
-- `ASYNCLLM_TILES`: a tiles file (JSON) whose kernel tiles a CUDA worker puts ahead of
-  the built-in tables: the skinny GEMM's per shape and M, the MoE small path's per
+- `ASYNCLLM_TILES`: a tiles file (JSON) whose kernel tiles a worker puts ahead of the
+  built-in tables (they serve CUDA): the skinny GEMM's per shape and M, the MoE small path's per
   token count and shape (`asyncllm_kernels/tiles.py`; `benchmarks/kernels/pick_tiles.py`
   writes one from the sweeps). A file that is missing or wrong fails the start, naming
   the field (default: none).
@@ -134,7 +134,7 @@ def moe_routed() -> bool:
 
 
 def tiles_path() -> str | None:
-    """The tiles file a CUDA worker applies ($ASYNCLLM_TILES), or None."""
+    """The tiles file a worker applies ($ASYNCLLM_TILES), or None."""
     return os.environ.get("ASYNCLLM_TILES") or None
 
 

@@ -237,3 +237,24 @@ def test_a_sweep_of_m1_alone_keeps_the_built_in_tiles_above_it():
     tiles.apply({"skinny": picked})
     assert skinny_config(1, 4096, 4096, BF16) == one_row
     assert skinny_config(16, 4096, 4096, BF16) == above
+
+
+def test_the_engine_applies_asyncllm_tiles_at_start_and_a_wrong_file_fails_it(
+    tmp_path, monkeypatch
+):
+    """ASYNCLLM_TILES reaches the worker (on any device: the CPU engine here, in this
+    process); a wrong field fails the start with EngineStartupError naming it."""
+    from asyncllm import LLM, EngineStartupError, SamplingParams
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"moe_small": [{"tokens": 9}]}))
+    monkeypatch.setenv("ASYNCLLM_TILES", str(bad))
+    with pytest.raises(EngineStartupError, match=r"moe_small\[0\]\.tokens"):
+        LLM(device="cpu", multiprocess=False, max_model_len=256)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"skinny": [{"n": 96, "k": 64, "configs": [[1, [4, 64, 4, 1]]]}]}))
+    monkeypatch.setenv("ASYNCLLM_TILES", str(good))
+    with LLM(device="cpu", multiprocess=False, max_model_len=256) as llm:
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    assert skinny_config(1, 96, 64, BF16) == SkinnyConfig(4, 64, 4, 1)

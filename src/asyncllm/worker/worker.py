@@ -88,12 +88,14 @@ class Worker:
             from asyncllm_kernels import pdl
 
             pdl.enable(envs.pdl_launch())
-            path = envs.tiles_path()
-            if path is not None:  # (a card's measured tiles, ahead of the built-in ones)
-                from asyncllm_kernels import tiles
+        path = envs.tiles_path()
+        if path is not None:
+            # A card's measured tiles ahead of the built-in ones (read on any device, so
+            # that a wrong file fails the start alike).
+            from asyncllm_kernels import tiles
 
-                tiles.load(path)
-                logger.info("kernel tiles from %s", path)
+            tiles.load(path)
+            logger.info("kernel tiles from %s", path)
         torch.manual_seed(config.model.seed)
         # What the process held before this engine (other engines in it, for one).
         self._baseline = (
