@@ -62,6 +62,12 @@ def test_a_tiles_file_goes_ahead_of_the_built_in_tables(tmp_path):
     assert small_configs(1) == default_moe
 
 
+def _moe_entry(**fields) -> dict:
+    """A tiles file of one MoE entry, its fields as given over valid ones."""
+    entry = dict(tokens=1, hidden=8, inter=8, gate_up=[16, 32, 4, 1], down=[16, 32, 4, 1])
+    return {"moe_small": [{**entry, **fields}]}
+
+
 @pytest.mark.parametrize(
     "content,message",
     [
@@ -81,33 +87,13 @@ def test_a_tiles_file_goes_ahead_of_the_built_in_tables(tmp_path):
             r"skinny\[0\]\.configs\[1\]: largest M must rise within 1\.\.16, got 2",
         ),
         (
-            {
-                "moe_small": [
-                    {
-                        "tokens": 1,
-                        "hidden": 8,
-                        "inter": 8,
-                        "gate_up": [16, 48, 4, 1],
-                        "down": [16, 32, 4, 1],
-                    }
-                ]
-            },
+            _moe_entry(gate_up=[16, 48, 4, 1]),
             r"moe_small\[0\]\.gate_up: block_k must be a power of two, got 48",
-        ),  # fmt: skip
+        ),
         (
-            {
-                "moe_small": [
-                    {
-                        "tokens": 5,
-                        "hidden": 8,
-                        "inter": 8,
-                        "gate_up": [16, 32, 4, 1],
-                        "down": [16, 32, 4, 1],
-                    }
-                ]
-            },
+            _moe_entry(tokens=5),
             r"moe_small\[0\]\.tokens: the small path serves up to 4 tokens, got 5",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_a_wrong_field_is_named_and_nothing_is_applied(tmp_path, content, message):
