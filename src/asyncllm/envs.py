@@ -46,10 +46,10 @@ so a test or a host that sets a variable before starting an engine is heard.
   to 4 tokens inside its experts' gate/up GEMM (`fused_moe_routed`: one launch less a
   layer) instead of in a routing launch of its own (default `0` until measured on a GPU).
 - `ASYNCLLM_TILES`: a tiles file (JSON) whose kernel tiles a worker puts ahead of the
-  built-in tables (they serve CUDA): the skinny GEMM's per shape and M, the MoE small path's per
-  token count and shape (`asyncllm_kernels/tiles.py`; `benchmarks/kernels/pick_tiles.py`
-  writes one from the sweeps). A file that is missing or wrong fails the start, naming
-  the field (default: none).
+  built-in tables (they serve CUDA): the skinny GEMM's per shape and M, the MoE small
+  path's per token count and shape (`asyncllm_kernels/tiles.py`;
+  `benchmarks/kernels/pick_tiles.py` writes one from the sweeps). A file that is missing
+  or wrong fails the start, naming the field (default: none).
 - `ASYNCLLM_WORKER_START_TIMEOUT_S`: how long the multiprocess (or Ray) executor waits for
   every worker to build its model before the start fails, naming the ranks not ready (a
   rendezvous that never completes, a stalled load; default `900`).
